@@ -1,0 +1,8 @@
+// Umbrella header of the dsa C++ API.
+#pragma once
+
+#include "dsa/backend.h"
+#include "dsa/error.h"
+#include "dsa/indexer.h"
+#include "dsa/layout.h"
+#include "dsa/tensor.h"

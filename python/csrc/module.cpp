@@ -1,0 +1,65 @@
+#include "tensor_view.h"
+
+namespace dsa::python {
+
+TensorView to_view(const nb::ndarray<>& a, const char* name) {
+  TensorView v;
+  v.data = a.data();
+  v.ndim = static_cast<int>(a.ndim());
+  if (v.ndim > kMaxDims)
+    throw Error(ErrorKind::invalid_argument,
+                std::string(name) + ": at most " + std::to_string(kMaxDims) + " dims are supported");
+  for (int d = 0; d < v.ndim; ++d) {
+    v.shape[d] = a.shape(d);
+    v.strides[d] = a.stride(d);
+  }
+  v.device = a.device_type() == nb::device::cuda::value ? Device::cuda : Device::cpu;
+  const auto dt = a.dtype();
+  using code = nb::dlpack::dtype_code;
+  if (dt.lanes == 1 && dt.code == static_cast<std::uint8_t>(code::Float) && dt.bits == 32) v.dtype = DType::f32;
+  else if (dt.lanes == 1 && dt.code == static_cast<std::uint8_t>(code::Float) && dt.bits == 16) v.dtype = DType::f16;
+  else if (dt.lanes == 1 && dt.code == static_cast<std::uint8_t>(code::Bfloat) && dt.bits == 16) v.dtype = DType::bf16;
+  else if (dt.lanes == 1 && dt.code == static_cast<std::uint8_t>(code::Int) && dt.bits == 32) v.dtype = DType::i32;
+  else if (dt.lanes == 1 && dt.code == static_cast<std::uint8_t>(code::Int) && dt.bits == 64) v.dtype = DType::i64;
+  else
+    throw Error(ErrorKind::invalid_argument,
+                std::string(name) + ": unsupported dtype (expected float32, bfloat16, float16, int32 or int64)");
+  return v;
+}
+
+TensorView to_view(const std::optional<nb::ndarray<>>& a, const char* name) {
+  return a ? to_view(*a, name) : TensorView{};
+}
+
+void register_core(nb::module_& m) {
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyErr_SetString(e.kind() == ErrorKind::invalid_argument ? PyExc_ValueError : PyExc_RuntimeError,
+                      e.what());
+    }
+  });
+  m.def("backends", [] {
+    nb::list out;
+    for (const auto& b : dsa::backends()) {
+      nb::dict d;
+      d["name"] = b.name;
+      d["built"] = b.built;
+      d["works"] = b.works;
+      d["detail"] = b.detail;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def("cpu_isa", &dsa::cpu_isa_name);
+  m.def("default_num_threads", &dsa::default_num_threads);
+}
+
+}  // namespace dsa::python
+
+NB_MODULE(_C, m) {
+  m.doc() = "dsa C++ core bindings (internal; use the dsa package)";
+  dsa::python::register_core(m);
+  dsa::python::register_indexer(m);
+}

@@ -1,0 +1,18 @@
+"""dsa: fused DeepSeek Sparse Attention operators (DeepSeek-V3.2 DSA, DeepSeek-V4)."""
+from __future__ import annotations
+
+import torch  # noqa: F401  (the ops register with torch.library on import)
+
+from . import _C, lengths
+from .ops import *  # noqa: F401,F403
+from .ops import __all__ as _op_names
+
+__version__ = "0.1.0"
+
+
+def backends() -> list[dict]:
+    """Every backend dsa knows: built or not, and whether a smoke call just ran correctly."""
+    return _C.backends()
+
+
+__all__ = list(_op_names) + ["backends", "lengths", "__version__"]

@@ -1,0 +1,38 @@
+"""Checks shared by every op wrapper (the C++ core validates everything else)."""
+from __future__ import annotations
+
+import torch
+
+LAYOUTS = ("TND", "BSND")
+BACKENDS = ("auto", "reference", "cpu", "cuda")
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected 'TND' or 'BSND', got {layout!r}")
+    return layout
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    return backend
+
+
+def check_tensor(value, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an integer >= {minimum}, got {value}")
+    return value
+
+
+def num_threads() -> int:
+    """Threads for a kernel call: the torch layer follows torch's own setting."""
+    return torch.get_num_threads()

@@ -1,0 +1,46 @@
+// Resolves the length arguments of an op into per-sequence slices of the
+// flattened tensors (TND and BSND alike), validating them on the way.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "dsa/layout.h"
+
+namespace dsa::core {
+
+struct SequenceSlice {
+  std::int64_t q_begin = 0, q_len = 0;  // rows of the flattened query tensor
+  std::int64_t k_begin = 0, k_len = 0;  // raw keys: first row in the raw key tensor, raw length
+  std::int64_t c_begin = 0, c_len = 0;  // compressed entries: first row, count (= k_len // ratio)
+
+  // Raw key position of query i (bottom-right alignment).
+  std::int64_t position(std::int64_t i) const { return k_len - q_len + i; }
+};
+
+struct LengthSpec {
+  Layout layout = Layout::TND;
+  std::int64_t batch = 1;        // BSND: B (TND: ignored)
+  std::int64_t q_extent = 0;     // TND: T; BSND: Sq
+  std::int64_t k_extent = -1;    // raw key rows (TND: S, BSND: Sk); -1: the op has no raw keys
+  std::int64_t c_extent = -1;    // compressed rows (TND: S', BSND: Sk'); -1: none
+  std::int64_t ratio = 1;
+  const CuSeqlens* cu_q = nullptr;
+  const CuSeqlens* cu_k = nullptr;
+};
+
+struct SequencePlan {
+  std::vector<SequenceSlice> seqs;
+  std::int64_t q_rows = 0;  // rows of the flattened query tensor (T or B * Sq)
+};
+
+// Throws dsa::Error (invalid_argument) naming query_lengths / key_lengths when
+// the lengths are not cu_seqlens-shaped, not monotone, inconsistent with the
+// tensors, or give a sequence more queries than keys.
+SequencePlan plan_sequences(const LengthSpec& spec);
+
+// Marks rows of the flattened query tensor that belong to no sequence
+// (BSND padding), so kernels can write the empty-row values there.
+std::vector<std::int64_t> padding_rows(const SequencePlan& plan);
+
+}  // namespace dsa::core

@@ -1,0 +1,46 @@
+#include "dsa/tensor.h"
+
+namespace dsa {
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return "float32";
+    case DType::bf16: return "bfloat16";
+    case DType::f16: return "float16";
+    case DType::i32: return "int32";
+    case DType::i64: return "int64";
+  }
+  return "unknown";
+}
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::f32: return 4;
+    case DType::bf16: return 2;
+    case DType::f16: return 2;
+    case DType::i32: return 4;
+    case DType::i64: return 8;
+  }
+  return 0;
+}
+
+const char* device_name(Device device) { return device == Device::cpu ? "cpu" : "cuda"; }
+
+TensorView make_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
+                     Device device) {
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.device = device;
+  v.ndim = static_cast<int>(shape.size());
+  int d = 0;
+  for (std::int64_t s : shape) v.shape[d++] = s;
+  std::int64_t stride = 1;
+  for (d = v.ndim - 1; d >= 0; --d) {
+    v.strides[d] = stride;
+    stride *= v.shape[d];
+  }
+  return v;
+}
+
+}  // namespace dsa

@@ -1,0 +1,138 @@
+#include "core/thread_pool.h"
+
+#include <sched.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdlib>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "dsa/backend.h"
+
+namespace dsa {
+
+int default_num_threads() {
+  if (const char* env = std::getenv("DSA_NUM_THREADS")) {
+    int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  unsigned n = std::thread::hardware_concurrency();
+  return n > 0 ? static_cast<int>(n) : 1;
+}
+
+namespace core {
+namespace {
+
+thread_local bool t_inside_pool = false;
+
+class Pool {
+ public:
+  static Pool& instance() {
+    static Pool* pool = new Pool();  // never destroyed: workers may outlive static teardown
+    return *pool;
+  }
+
+  void run(std::int64_t n_tasks, int num_threads,
+           const std::function<void(std::int64_t, int)>& body) {
+    std::unique_lock<std::mutex> call_lock(call_mutex_);  // one parallel region at a time
+    grow(num_threads - 1);
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      body_ = &body;
+      n_tasks_ = n_tasks;
+      next_task_.store(0);
+      error_ = nullptr;
+      active_workers_ = num_threads - 1;
+      pending_ = num_threads - 1;
+      ++generation_;
+    }
+    cv_.notify_all();
+    t_inside_pool = true;  // a nested parallel_for from a task runs inline
+    work(0);
+    t_inside_pool = false;
+    std::unique_lock<std::mutex> lk(mutex_);
+    done_cv_.wait(lk, [&] { return pending_ == 0; });
+    body_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  void grow(int n_workers) {
+    while (static_cast<int>(workers_.size()) < n_workers) {
+      int index = static_cast<int>(workers_.size()) + 1;
+      workers_.emplace_back([this, index] { loop(index); });
+      workers_.back().detach();
+    }
+  }
+
+  void loop(int index) {
+    t_inside_pool = true;
+    std::uint64_t seen = 0;
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lk(mutex_);
+        cv_.wait(lk, [&] { return generation_ != seen; });
+        seen = generation_;
+        if (index > active_workers_) continue;
+      }
+      work(index);
+      std::lock_guard<std::mutex> lk(mutex_);
+      if (--pending_ == 0) done_cv_.notify_one();
+    }
+  }
+
+  void work(int thread) {
+    for (;;) {
+      std::int64_t task = next_task_.fetch_add(1);
+      if (task >= n_tasks_) return;
+      try {
+        (*body_)(task, thread);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(error_mutex_);
+        if (!error_) error_ = std::current_exception();
+        next_task_.store(n_tasks_);  // stop handing out work
+      }
+    }
+  }
+
+  std::mutex call_mutex_, mutex_, error_mutex_;
+  std::condition_variable cv_, done_cv_;
+  std::vector<std::thread> workers_;
+  const std::function<void(std::int64_t, int)>* body_ = nullptr;
+  std::int64_t n_tasks_ = 0;
+  std::atomic<std::int64_t> next_task_{0};
+  std::exception_ptr error_;
+  int active_workers_ = 0;
+  int pending_ = 0;
+  std::uint64_t generation_ = 0;
+};
+
+}  // namespace
+
+int resolve_num_threads(int requested) {
+  if (requested < 0) requested = 0;
+  return requested > 0 ? requested : default_num_threads();
+}
+
+void parallel_for(std::int64_t n_tasks, int num_threads,
+                  const std::function<void(std::int64_t task, int thread)>& body) {
+  if (n_tasks <= 0) return;
+  if (num_threads > n_tasks) num_threads = static_cast<int>(n_tasks);
+  if (num_threads <= 1 || t_inside_pool) {
+    // Nested regions and single-thread calls run inline with thread index 0.
+    for (std::int64_t t = 0; t < n_tasks; ++t) body(t, 0);
+    return;
+  }
+  Pool::instance().run(n_tasks, num_threads, body);
+}
+
+}  // namespace core
+}  // namespace dsa

@@ -1,0 +1,69 @@
+#include "core/validate.h"
+
+namespace dsa::core {
+
+std::string shape_string(const TensorView& t) {
+  if (!t.present()) return "absent";
+  std::ostringstream os;
+  os << "[";
+  for (int d = 0; d < t.ndim; ++d) os << (d ? ", " : "") << t.shape[d];
+  os << "]";
+  return os.str();
+}
+
+void require_present(const TensorView& t, const char* name) {
+  if (!t.present()) fail_argument(name, ": expected a tensor, got None");
+}
+
+void require_cpu(const TensorView& t, const char* name) {
+  if (t.device != Device::cpu)
+    fail_argument(name, ": expected a CPU tensor for this backend, got a ", device_name(t.device),
+                  " tensor");
+}
+
+void require_dtype(const TensorView& t, const char* name, std::initializer_list<DType> allowed) {
+  for (DType d : allowed)
+    if (t.dtype == d) return;
+  std::ostringstream os;
+  bool first = true;
+  for (DType d : allowed) {
+    os << (first ? "" : " or ") << dtype_name(d);
+    first = false;
+  }
+  fail_argument(name, ": expected dtype ", os.str(), ", got ", dtype_name(t.dtype));
+}
+
+void require_ndim(const TensorView& t, const char* name, std::initializer_list<int> allowed,
+                  const char* expected_shape) {
+  for (int n : allowed)
+    if (t.ndim == n) return;
+  fail_argument(name, ": expected shape ", expected_shape, ", got ", shape_string(t));
+}
+
+void require_size(const TensorView& t, const char* name, int dim, std::int64_t expected,
+                  const char* what) {
+  if (t.size(dim) != expected)
+    fail_argument(name, ": expected size ", expected, " (", what, ") in dim ", dim, ", got shape ",
+                  shape_string(t));
+}
+
+void require_last_dim_contiguous(const TensorView& t, const char* name) {
+  if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
+    fail_argument(name, ": expected a contiguous last dimension, got stride ",
+                  t.strides[t.ndim - 1]);
+}
+
+void require_contiguous(const TensorView& t, const char* name) {
+  if (!t.is_contiguous()) fail_argument(name, ": expected a contiguous tensor");
+}
+
+void require_float_input(const TensorView& t, const char* name, std::initializer_list<int> ndims,
+                         const char* expected_shape) {
+  require_present(t, name);
+  require_cpu(t, name);
+  require_ndim(t, name, ndims, expected_shape);
+  require_dtype(t, name, {DType::bf16, DType::f16, DType::f32});
+  require_last_dim_contiguous(t, name);
+}
+
+}  // namespace dsa::core

@@ -1,0 +1,48 @@
+// Argument validation at the API boundary. Every message names the argument,
+// what was expected and what was given. Never used inside hot loops.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+#include "dsa/error.h"
+#include "dsa/tensor.h"
+
+namespace dsa::core {
+
+template <class... Parts>
+std::string concat(const Parts&... parts) {
+  std::ostringstream os;
+  (os << ... << parts);
+  return os.str();
+}
+
+template <class... Parts>
+[[noreturn]] void fail_argument(const Parts&... parts) {
+  throw Error(ErrorKind::invalid_argument, concat(parts...));
+}
+
+template <class... Parts>
+[[noreturn]] void fail_unsupported(const Parts&... parts) {
+  throw Error(ErrorKind::unsupported, concat(parts...));
+}
+
+std::string shape_string(const TensorView& t);
+
+void require_present(const TensorView& t, const char* name);
+void require_cpu(const TensorView& t, const char* name);
+void require_dtype(const TensorView& t, const char* name, std::initializer_list<DType> allowed);
+void require_ndim(const TensorView& t, const char* name, std::initializer_list<int> allowed,
+                  const char* expected_shape);
+void require_size(const TensorView& t, const char* name, int dim, std::int64_t expected,
+                  const char* what);
+void require_last_dim_contiguous(const TensorView& t, const char* name);
+void require_contiguous(const TensorView& t, const char* name);
+
+// A floating tensor (bf16/fp16/fp32) on the CPU with a unit-stride last dim.
+void require_float_input(const TensorView& t, const char* name, std::initializer_list<int> ndims,
+                         const char* expected_shape);
+
+}  // namespace dsa::core

@@ -1,0 +1,157 @@
+// AMX-BF16 score kernel of the fused indexer (bf16 inputs).
+//
+// The query block is packed to bf16 [tokens][Hpad][Dpad] (heads padded to 16,
+// dims to 32, zeros), so each (token, 16-head group, 32-dim chunk) is one A
+// tile. Each key tile of 32 keys is repacked into the VNNI pair layout AMX
+// wants for B (two 16-key tiles per 32-dim chunk). C tiles hold 16 heads x 16
+// keys; the ReLU and the weighted head sum run on them in AVX-512 registers.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "cpu/indexer/score_kernels.h"
+
+namespace dsa::cpu::indexer_kernels {
+namespace {
+
+constexpr std::int64_t kTileRows = 16;
+constexpr std::int64_t kChunk = 32;  // bf16 elements in one 64-byte tile row
+
+std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = kTileRows;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+std::size_t amx_packed_query_bytes(std::int64_t heads, std::int64_t dim) {
+  return static_cast<std::size_t>(kQueryBlock * round_up(heads, kTileRows) * round_up(dim, kChunk)) * 2;
+}
+
+std::size_t amx_key_scratch_bytes(std::int64_t dim) {
+  // VNNI B tiles (two per chunk) followed by four fp32 C tiles for the epilogue.
+  return static_cast<std::size_t>(round_up(dim, kChunk) / kChunk) * 2 * 1024 + 4 * 1024 + 64;
+}
+
+void amx_pack_queries(const QueryBlockSource& src, void* packed) {
+  const std::int64_t hpad = round_up(src.heads, kTileRows), dpad = round_up(src.dim, kChunk);
+  auto* out = static_cast<std::uint16_t*>(packed);
+  const auto* q = static_cast<const std::uint16_t*>(src.query);
+  for (std::int64_t t = 0; t < src.tokens; ++t)
+    for (std::int64_t h = 0; h < hpad; ++h) {
+      std::uint16_t* dst = out + (t * hpad + h) * dpad;
+      if (h < src.heads) {
+        std::memcpy(dst, q + t * src.row_stride + h * src.head_stride, src.dim * 2);
+        std::memset(dst + src.dim, 0, (dpad - src.dim) * 2);
+      } else {
+        std::memset(dst, 0, dpad * 2);
+      }
+    }
+}
+
+// B tile (chunk c, half n): row r holds keys n*16 .. n*16+15, each as the pair
+// of dims (c*32 + 2r, c*32 + 2r + 1).
+void pack_keys_vnni(const KeyTileSource& keys, std::int64_t dim, std::uint32_t* vnni) {
+  const std::int64_t chunks = round_up(dim, kChunk) / kChunk;
+  std::memset(vnni, 0, chunks * 2 * 1024);
+  const auto* k = static_cast<const std::uint16_t*>(keys.keys);
+  for (std::int64_t s = 0; s < keys.count; ++s) {
+    const std::uint16_t* row = k + s * keys.row_stride;
+    const std::int64_t half = s / 16, col = s % 16;
+    for (std::int64_t d = 0; d + 1 < dim; d += 2) {
+      std::uint32_t pair;
+      std::memcpy(&pair, row + d, 4);
+      const std::int64_t c = d / kChunk, r = (d % kChunk) / 2;
+      vnni[((c * 2 + half) * 16 + r) * 16 + col] = pair;
+    }
+    if (dim % 2) {
+      const std::int64_t d = dim - 1, c = d / kChunk, r = (d % kChunk) / 2;
+      vnni[((c * 2 + half) * 16 + r) * 16 + col] = row[d];
+    }
+  }
+}
+
+inline __m512 relu_keep_nan(__m512 x, __m512 zero) {
+  return _mm512_max_ps(zero, x);  // vmaxps returns its second operand when either is NaN
+}
+
+void amx_score_tile(const void* packed, const QueryBlockSource& shape, const float* weights,
+                    const KeyTileSource& keys, void* key_scratch, float* out) {
+  const std::int64_t hpad = round_up(shape.heads, kTileRows), dpad = round_up(shape.dim, kChunk);
+  const std::int64_t chunks = dpad / kChunk, groups = hpad / kTileRows;
+  auto* vnni = static_cast<std::uint32_t*>(key_scratch);
+  float* cbuf = reinterpret_cast<float*>(
+      (reinterpret_cast<std::uintptr_t>(vnni + chunks * 2 * 256) + 63) & ~std::uintptr_t(63));
+  pack_keys_vnni(keys, shape.dim, vnni);
+  configure_tiles();
+  const auto* q = static_cast<const std::uint16_t*>(packed);
+  const __m512 zero = _mm512_setzero_ps();
+  const int q_stride = static_cast<int>(dpad * 2);
+
+  for (std::int64_t t = 0; t < shape.tokens; ++t) {
+    __m512 acc0 = zero, acc1 = zero;
+    const float* w = weights + t * shape.heads;
+    for (std::int64_t g = 0; g < groups; g += 2) {
+      const bool pair = g + 1 < groups;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const std::uint16_t* a0 = q + (t * hpad + g * kTileRows) * dpad;
+      const std::uint16_t* a1 = a0 + kTileRows * dpad;
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        _tile_loadd(6, vnni + (c * 2 + 0) * 256, 64);
+        _tile_loadd(7, vnni + (c * 2 + 1) * 256, 64);
+        _tile_loadd(4, a0 + c * kChunk, q_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (pair) {
+          _tile_loadd(5, a1 + c * kChunk, q_stride);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, cbuf + 0 * 256, 64);
+      _tile_stored(1, cbuf + 1 * 256, 64);
+      if (pair) {
+        _tile_stored(2, cbuf + 2 * 256, 64);
+        _tile_stored(3, cbuf + 3 * 256, 64);
+      }
+      for (int part = 0; part < (pair ? 2 : 1); ++part) {
+        const std::int64_t h0 = (g + part) * kTileRows;
+        const float* c0 = cbuf + (2 * part) * 256;
+        const float* c1 = c0 + 256;
+        const std::int64_t rows = shape.heads - h0 < kTileRows ? shape.heads - h0 : kTileRows;
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const __m512 wr = _mm512_set1_ps(w[h0 + r]);
+          acc0 = _mm512_fmadd_ps(wr, relu_keep_nan(_mm512_load_ps(c0 + r * 16), zero), acc0);
+          acc1 = _mm512_fmadd_ps(wr, relu_keep_nan(_mm512_load_ps(c1 + r * 16), zero), acc1);
+        }
+      }
+    }
+    _mm512_storeu_ps(out + t * kKeyTile, acc0);
+    _mm512_storeu_ps(out + t * kKeyTile + 16, acc1);
+  }
+}
+
+}  // namespace
+
+const ScoreKernel& amx_kernel() {
+  static const ScoreKernel kernel{"amx", amx_packed_query_bytes, amx_key_scratch_bytes,
+                                  amx_pack_queries, amx_score_tile};
+  return kernel;
+}
+
+}  // namespace dsa::cpu::indexer_kernels

@@ -1,0 +1,97 @@
+// dsa::indexer_topk: validation, problem set-up and backend dispatch.
+#include "ops/indexer.h"
+
+#include <cmath>
+
+#include "core/thread_pool.h"
+#include "core/validate.h"
+#include "dsa/indexer.h"
+
+namespace dsa {
+
+void indexer_topk(const TensorView& index_query, const TensorView& index_key,
+                  const TensorView& weights, const IndexerParams& params,
+                  const TensorView& indices, const TensorView& scores, Backend backend) {
+  using namespace core;
+  const bool tnd = params.layout == Layout::TND;
+  const int lead = tnd ? 0 : 1;  // BSND has one more leading dim
+  require_float_input(index_query, "index_query", {3 + lead},
+                      tnd ? "[T, Hi, Di]" : "[B, Sq, Hi, Di]");
+  require_float_input(index_key, "index_key", {2 + lead, 3 + lead},
+                      tnd ? "[S, Di] or [S, 1, Di]" : "[B, Sk, Di] or [B, Sk, 1, Di]");
+  require_float_input(weights, "weights", {2 + lead}, tnd ? "[T, Hi]" : "[B, Sq, Hi]");
+  backend = resolve_backend(backend, index_query.device);
+
+  const std::int64_t heads = index_query.size(-2), dim = index_query.size(-1);
+  if (index_key.dtype != index_query.dtype)
+    fail_argument("index_key: expected the dtype of index_query (", dtype_name(index_query.dtype),
+                  "), got ", dtype_name(index_key.dtype));
+  if (index_key.ndim == 3 + lead) require_size(index_key, "index_key", 1 + lead, 1, "one shared key head");
+  require_size(index_key, "index_key", -1, dim, "Di of index_query");
+  for (int d = 0; d <= lead; ++d)
+    require_size(weights, "weights", d, index_query.size(d), "the leading dims of index_query");
+  require_size(weights, "weights", -1, heads, "Hi of index_query");
+  if (!tnd) require_size(index_key, "index_key", 0, index_query.size(0), "B of index_query");
+  if (params.topk <= 0) fail_argument("topk: expected a positive integer, got ", params.topk);
+  if (params.cmp_ratio < 1) fail_argument("cmp_ratio: expected an integer >= 1, got ", params.cmp_ratio);
+  if (!std::isfinite(params.scale)) fail_argument("scale: expected a finite number, got ", params.scale);
+
+  require_present(indices, "indices");
+  require_cpu(indices, "indices");
+  require_dtype(indices, "indices", {DType::i32});
+  require_contiguous(indices, "indices");
+  require_ndim(indices, "indices", {2 + lead}, tnd ? "[T, topk]" : "[B, Sq, topk]");
+  for (int d = 0; d <= lead; ++d)
+    require_size(indices, "indices", d, index_query.size(d), "the leading dims of index_query");
+  require_size(indices, "indices", -1, params.topk, "topk");
+  if (scores.present()) {
+    require_cpu(scores, "scores");
+    require_dtype(scores, "scores", {DType::f32});
+    require_contiguous(scores, "scores");
+    require_ndim(scores, "scores", {2 + lead}, "the shape of indices");
+    for (int d = 0; d < scores.ndim; ++d)
+      require_size(scores, "scores", d, indices.size(d), "the shape of indices");
+  }
+
+  LengthSpec spec;
+  spec.layout = params.layout;
+  spec.batch = tnd ? 1 : index_query.size(0);
+  spec.q_extent = index_query.size(lead);
+  const std::int64_t key_rows = index_key.size(lead);
+  if (params.cmp_ratio > 1) spec.c_extent = key_rows; else spec.k_extent = key_rows;
+  spec.ratio = params.cmp_ratio;
+  spec.cu_q = &params.cu_seqlens_q;
+  spec.cu_k = &params.cu_seqlens_k;
+
+  IndexerProblem p;
+  p.plan = plan_sequences(spec);
+  p.query = index_query.data;
+  p.dtype = index_query.dtype;
+  p.query_row_stride = index_query.stride(lead);
+  p.query_head_stride = index_query.stride(lead + 1);
+  if (!tnd && index_query.stride(0) != index_query.size(1) * p.query_row_stride)
+    fail_argument("index_query: the batch and sequence dims must be mergeable (contiguous rows)");
+  p.heads = heads;
+  p.dim = dim;
+  p.key = index_key.data;
+  p.key_row_stride = index_key.stride(lead);
+  if (!tnd && index_key.stride(0) != index_key.size(1) * p.key_row_stride)
+    fail_argument("index_key: the batch and sequence dims must be mergeable (contiguous rows)");
+  p.weights = weights.data;
+  p.weights_dtype = weights.dtype;
+  p.weights_row_stride = weights.stride(lead);
+  p.weights_head_stride = weights.stride(lead + 1);
+  if (!tnd && weights.stride(0) != weights.size(1) * p.weights_row_stride)
+    fail_argument("weights: the batch and sequence dims must be mergeable (contiguous rows)");
+  p.indices = indices.ptr<std::int32_t>();
+  p.scores = scores.present() ? scores.ptr<float>() : nullptr;
+  p.topk = params.topk;
+  p.scale = params.scale;
+  p.ratio = params.cmp_ratio;
+  p.num_threads = resolve_num_threads(params.num_threads);
+
+  if (backend == Backend::reference) reference::indexer_topk(p);
+  else cpu::indexer_topk(p);
+}
+
+}  // namespace dsa

@@ -1,0 +1,65 @@
+// Reference lightning indexer: spec/ops.md 4.1, literally, one query at a time.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/numeric.h"
+#include "ops/indexer.h"
+
+namespace dsa::reference {
+
+namespace {
+
+struct Candidate {
+  float score;
+  std::int64_t position;
+};
+
+// Larger score first; NaN below every number; equal scores: smaller position first.
+bool ranks_before(const Candidate& a, const Candidate& b) {
+  const bool a_nan = std::isnan(a.score), b_nan = std::isnan(b.score);
+  if (a_nan != b_nan) return b_nan;
+  if (!a_nan && a.score != b.score) return a.score > b.score;
+  return a.position < b.position;
+}
+
+}  // namespace
+
+void indexer_topk(const IndexerProblem& p) {
+  using core::load_float;
+  std::fill(p.indices, p.indices + p.plan.q_rows * p.topk, -1);
+  if (p.scores) std::fill(p.scores, p.scores + p.plan.q_rows * p.topk, core::kNegInf);
+
+  std::vector<Candidate> candidates;
+  for (const auto& seq : p.plan.seqs) {
+    for (std::int64_t i = 0; i < seq.q_len; ++i) {
+      const std::int64_t row = seq.q_begin + i;
+      const std::int64_t visible = visible_compressed(seq.position(i), p.ratio);
+      candidates.clear();
+      for (std::int64_t s = 0; s < visible; ++s) {
+        const std::int64_t key_row = seq.c_begin + s;
+        double score = 0.0;
+        for (std::int64_t h = 0; h < p.heads; ++h) {
+          double dot = 0.0;
+          for (std::int64_t d = 0; d < p.dim; ++d)
+            dot += static_cast<double>(load_float(p.query, p.dtype, row * p.query_row_stride + h * p.query_head_stride + d)) *
+                   load_float(p.key, p.dtype, key_row * p.key_row_stride + d);
+          const double w = load_float(p.weights, p.weights_dtype,
+                                      row * p.weights_row_stride + h * p.weights_head_stride);
+          score += w * std::max(0.0, dot);
+        }
+        candidates.push_back({static_cast<float>(p.scale * score), s});
+      }
+      const std::int64_t keep = std::min<std::int64_t>(p.topk, candidates.size());
+      std::stable_sort(candidates.begin(), candidates.end(), ranks_before);
+      std::sort(candidates.begin(), candidates.begin() + keep,
+                [](const Candidate& a, const Candidate& b) { return a.position < b.position; });
+      for (std::int64_t k = 0; k < keep; ++k) {
+        p.indices[row * p.topk + k] = static_cast<std::int32_t>(candidates[k].position);
+        if (p.scores) p.scores[row * p.topk + k] = candidates[k].score;
+      }
+    }
+  }
+}
+
+}  // namespace dsa::reference

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Checks the two ways users install dsa: `pip install .` into a scratch folder
+# (then imports it and runs a call), and `cmake --install` + find_package(dsa)
+# from a separate consumer project.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+.venv/bin/python -m pip install -q --no-deps --no-build-isolation --target "$tmp/site" .
+(cd "$tmp" && PYTHONPATH="$tmp/site" "$OLDPWD/.venv/bin/python" -c "
+import dsa, torch
+assert dsa.__file__.startswith('$tmp/site'), dsa.__file__
+assert all(b['works'] for b in dsa.backends() if b['built'])
+i = dsa.dsa_indexer(torch.randn(5, 2, 8), torch.randn(5, 8), torch.ones(5, 2), topk=2)
+assert i.shape == (5, 2)
+print('pip install . ok:', dsa.__file__)
+")
+
+cmake --install build --prefix "$tmp/prefix" >/dev/null
+cmake -S examples/consumer -B "$tmp/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$tmp/prefix" >/dev/null
+cmake --build "$tmp/consumer" >/dev/null
+"$tmp/consumer/dsa_consumer" >/dev/null
+echo "find_package(dsa) ok"
