@@ -11,6 +11,7 @@
 #include "core/cpu_features.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
+#include "cpu/indexer/row_topk.h"
 #include "cpu/indexer/score_kernels.h"
 #include "ops/indexer.h"
 
@@ -28,66 +29,6 @@ const ScoreKernel& pick_kernel(DType dtype) {
   }
 }
 
-// Larger score -> larger key; NaN below everything; -0 and +0 equal.
-inline std::int32_t order_key(float score) {
-  if (score != score) return INT32_MIN;
-  score += 0.0f;
-  std::int32_t bits;
-  std::memcpy(&bits, &score, 4);
-  return bits < 0 ? bits ^ 0x7fffffff : bits;
-}
-
-// Unique rank of a candidate: score first, then the smaller position.
-inline std::uint64_t rank_key(float score, std::int32_t position) {
-  const std::uint32_t s = static_cast<std::uint32_t>(order_key(score)) ^ 0x80000000u;
-  return (static_cast<std::uint64_t>(s) << 32) | (0xffffffffu - static_cast<std::uint32_t>(position));
-}
-
-// Running top-k of one query row. Candidates are appended in ascending
-// position; when the buffer fills, it is cut back to the k best (keeping
-// position order) and the k-th best score becomes the entry threshold.
-struct RowTopK {
-  std::int32_t* positions;
-  float* scores;
-  std::int64_t count = 0;
-  bool has_threshold = false;
-  std::int32_t threshold = INT32_MIN;  // order_key a new score must exceed
-
-  void push(const float* tile_scores, std::int64_t first_position, std::int64_t n) {
-    if (!has_threshold) {
-      for (std::int64_t s = 0; s < n; ++s) {
-        positions[count] = static_cast<std::int32_t>(first_position + s);
-        scores[count++] = tile_scores[s];
-      }
-      return;
-    }
-    for (std::int64_t s = 0; s < n; ++s) {
-      const float v = tile_scores[s];
-      if (order_key(v) > threshold) {
-        positions[count] = static_cast<std::int32_t>(first_position + s);
-        scores[count++] = v;
-      }
-    }
-  }
-
-  void cut_to(std::int64_t k, std::uint64_t* keys) {
-    if (count <= k) return;
-    for (std::int64_t i = 0; i < count; ++i) keys[i] = rank_key(scores[i], positions[i]);
-    std::nth_element(keys, keys + (k - 1), keys + count, std::greater<std::uint64_t>());
-    const std::uint64_t kth = keys[k - 1];
-    std::int64_t kept = 0;
-    for (std::int64_t i = 0; i < count; ++i) {
-      if (rank_key(scores[i], positions[i]) >= kth) {
-        positions[kept] = positions[i];
-        scores[kept++] = scores[i];
-      }
-    }
-    count = kept;
-    has_threshold = true;
-    threshold = static_cast<std::int32_t>(static_cast<std::uint32_t>(kth >> 32) ^ 0x80000000u);
-  }
-};
-
 struct Task {
   std::int64_t seq, first, tokens;
   std::int64_t cost;
@@ -98,14 +39,15 @@ struct ThreadScratch {
   std::vector<std::uint8_t> key_scratch;
   std::vector<float> weights, tile;
   std::vector<std::int32_t> positions;
-  std::vector<float> scores;
-  std::vector<std::uint64_t> keys;
+  std::vector<std::uint32_t> keys;
 };
 
 }  // namespace
 
 void indexer_topk(const IndexerProblem& p) {
   const ScoreKernel& kernel = pick_kernel(p.dtype);
+  const AppendCandidatesFn append =
+      core::cpu_isa() >= core::Isa::avx512 ? append_candidates_avx512 : append_candidates_portable;
   for (std::int64_t row : core::padding_rows(p.plan)) {
     std::fill(p.indices + row * p.topk, p.indices + (row + 1) * p.topk, -1);
     if (p.scores) std::fill(p.scores + row * p.topk, p.scores + (row + 1) * p.topk, core::kNegInf);
@@ -135,8 +77,7 @@ void indexer_topk(const IndexerProblem& p) {
     s.weights.resize(kQueryBlock * p.heads);
     s.tile.resize(kQueryBlock * kKeyTile);
     s.positions.resize(kQueryBlock * capacity);
-    s.scores.resize(kQueryBlock * capacity);
-    s.keys.resize(capacity);
+    s.keys.resize(kQueryBlock * capacity);
   }
   auto aligned = [](std::vector<std::uint8_t>& v) {
     return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t(63));
@@ -166,7 +107,7 @@ void indexer_topk(const IndexerProblem& p) {
     for (std::int64_t t = 0; t < task.tokens; ++t) {
       visible[t] = visible_compressed(seq.position(task.first + t), p.ratio);
       rows[t].positions = s.positions.data() + t * capacity;
-      rows[t].scores = s.scores.data() + t * capacity;
+      rows[t].keys = s.keys.data() + t * capacity;
     }
     const std::int64_t last_visible = visible[task.tokens - 1];
     for (std::int64_t k0 = 0; k0 < last_visible; k0 += kKeyTile) {
@@ -178,19 +119,19 @@ void indexer_topk(const IndexerProblem& p) {
         const std::int64_t count = std::min(n, visible[t] - k0);
         if (count <= 0) continue;
         RowTopK& row = rows[t];
-        if (row.count + count > capacity) row.cut_to(p.topk, s.keys.data());
-        row.push(s.tile.data() + t * kKeyTile, k0, count);
+        if (row.count + count > capacity) row.cut_to(p.topk);
+        row.push(append, s.tile.data() + t * kKeyTile, k0, count);
       }
     }
     for (std::int64_t t = 0; t < task.tokens; ++t) {
       RowTopK& row = rows[t];
-      row.cut_to(p.topk, s.keys.data());
+      row.cut_to(p.topk);
       std::int32_t* out_idx = p.indices + (row0 + t) * p.topk;
       std::memcpy(out_idx, row.positions, row.count * sizeof(std::int32_t));
       std::fill(out_idx + row.count, out_idx + p.topk, -1);
       if (p.scores) {
         float* out_scores = p.scores + (row0 + t) * p.topk;
-        std::memcpy(out_scores, row.scores, row.count * sizeof(float));
+        for (std::int64_t j = 0; j < row.count; ++j) out_scores[j] = key_score(row.keys[j]);
         std::fill(out_scores + row.count, out_scores + p.topk, core::kNegInf);
       }
     }

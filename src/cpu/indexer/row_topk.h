@@ -1,0 +1,106 @@
+// Running top-k of one query row for the fused indexer.
+//
+// Candidates are appended in ascending key position as (order key, position);
+// when the buffer fills it is cut back to the k best by a radix select on the
+// 32-bit order keys, keeping position order, and the k-th best key becomes the
+// bar a new candidate must clear. Equal scores keep the earlier position, which
+// is the spec's tie rule, so the result never depends on how tiles were cut.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace dsa::cpu::indexer_kernels {
+
+// Monotone map of a score to uint32: larger score -> larger key; NaN -> 0,
+// below every number; -0 and +0 map to the same key.
+inline std::uint32_t score_key(float score) {
+  if (score != score) return 0;
+  score += 0.0f;
+  std::int32_t bits;
+  std::memcpy(&bits, &score, 4);
+  const std::int32_t ordered = bits < 0 ? bits ^ 0x7fffffff : bits;
+  return static_cast<std::uint32_t>(ordered) ^ 0x80000000u;
+}
+
+// Inverse of score_key (key 0 gives a NaN; -0 comes back as +0).
+inline float key_score(std::uint32_t key) {
+  const std::int32_t ordered = static_cast<std::int32_t>(key ^ 0x80000000u);
+  const std::int32_t bits = ordered < 0 ? ordered ^ 0x7fffffff : ordered;
+  float score;
+  std::memcpy(&score, &bits, 4);
+  return score;
+}
+
+// Appends the scores of one tile that beat the bar (all of them when
+// accept_all) and returns how many were appended. One implementation per ISA.
+using AppendCandidatesFn = std::int64_t (*)(const float* scores, std::int64_t n,
+                                            std::int32_t first_position, std::uint32_t bar,
+                                            bool accept_all, std::uint32_t* keys,
+                                            std::int32_t* positions);
+
+inline std::int64_t append_candidates_portable(const float* scores, std::int64_t n,
+                                               std::int32_t first_position, std::uint32_t bar,
+                                               bool accept_all, std::uint32_t* keys,
+                                               std::int32_t* positions) {
+  std::int64_t count = 0;
+  for (std::int64_t s = 0; s < n; ++s) {
+    const std::uint32_t key = score_key(scores[s]);
+    if (accept_all || key > bar) {
+      keys[count] = key;
+      positions[count++] = first_position + static_cast<std::int32_t>(s);
+    }
+  }
+  return count;
+}
+
+std::int64_t append_candidates_avx512(const float* scores, std::int64_t n,
+                                      std::int32_t first_position, std::uint32_t bar,
+                                      bool accept_all, std::uint32_t* keys,
+                                      std::int32_t* positions);
+
+struct RowTopK {
+  std::uint32_t* keys = nullptr;
+  std::int32_t* positions = nullptr;
+  std::int64_t count = 0;
+  bool has_bar = false;
+  std::uint32_t bar = 0;  // a new candidate's key must exceed it
+
+  void push(AppendCandidatesFn append, const float* scores, std::int64_t first_position,
+            std::int64_t n) {
+    count += append(scores, n, static_cast<std::int32_t>(first_position), bar, !has_bar,
+                    keys + count, positions + count);
+  }
+
+  // Keeps exactly the k best candidates (ties: smaller position), in position order.
+  void cut_to(std::int64_t k) {
+    if (count <= k) return;
+    // Radix select of the k-th largest key, 8 bits at a time, most significant first.
+    std::uint32_t prefix = 0, mask = 0;
+    std::int64_t need = k;  // how many candidates equal to the prefix so far are still wanted
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      std::int64_t histogram[256] = {};
+      for (std::int64_t i = 0; i < count; ++i)
+        if ((keys[i] & mask) == prefix) ++histogram[(keys[i] >> shift) & 0xff];
+      int bin = 255;
+      for (; bin > 0 && histogram[bin] < need; --bin) need -= histogram[bin];
+      prefix |= static_cast<std::uint32_t>(bin) << shift;
+      mask |= 0xffu << shift;
+    }
+    // `prefix` is the k-th largest key; keep everything above it and the first
+    // `need` candidates equal to it (the smallest positions).
+    std::int64_t kept = 0;
+    for (std::int64_t i = 0; i < count; ++i) {
+      const std::uint32_t key = keys[i];
+      if (key > prefix || (key == prefix && need-- > 0)) {
+        keys[kept] = key;
+        positions[kept++] = positions[i];
+      }
+    }
+    count = kept;
+    has_bar = true;
+    bar = prefix;
+  }
+};
+
+}  // namespace dsa::cpu::indexer_kernels
