@@ -35,4 +35,4 @@ static void BM_indexer_topk(benchmark::State& state) {
   const double pairs = static_cast<double>(T) * (T + 1) / 2;
   state.counters["FLOP/s"] = benchmark::Counter(2.0 * Hi * Di * pairs, benchmark::Counter::kIsIterationInvariantRate);
 }
-BENCHMARK(BM_indexer_topk)->Arg(4096)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_indexer_topk)->Arg(4096)->Arg(16384)->Unit(benchmark::kMillisecond)->UseRealTime();

@@ -61,12 +61,54 @@ void amx_pack_queries(const QueryBlockSource& src, void* packed) {
     }
 }
 
+// 16x16 transpose of 32-bit elements held in 16 registers.
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // r[4q + j] now holds, in each 128-bit lane L, element j of rows 4q..4q+3 for
+  // columns 4L + j; the two 128-bit shuffles gather lanes across row quads.
+  for (int j = 0; j < 4; ++j) {
+    t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
+    t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
+    r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
+    r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
+  }
+}
+
 // B tile (chunk c, half n): row r holds keys n*16 .. n*16+15, each as the pair
-// of dims (c*32 + 2r, c*32 + 2r + 1).
+// of dims (c*32 + 2r, c*32 + 2r + 1). A full tile is a 16x16 transpose of the
+// keys' 32-bit dim pairs; partial tiles take the scalar path with zero fill.
 void pack_keys_vnni(const KeyTileSource& keys, std::int64_t dim, std::uint32_t* vnni) {
   const std::int64_t chunks = round_up(dim, kChunk) / kChunk;
-  std::memset(vnni, 0, chunks * 2 * 1024);
   const auto* k = static_cast<const std::uint16_t*>(keys.keys);
+  if (keys.count == kKeyTile && dim % kChunk == 0) {
+    for (std::int64_t half = 0; half < 2; ++half)
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        __m512i r[16];
+        for (int col = 0; col < 16; ++col)
+          r[col] = _mm512_loadu_si512(k + (half * 16 + col) * keys.row_stride + c * kChunk);
+        transpose16x16(r);
+        std::uint32_t* tile = vnni + (c * 2 + half) * 256;
+        for (int row = 0; row < 16; ++row) _mm512_store_si512(tile + row * 16, r[row]);
+      }
+    return;
+  }
+  std::memset(vnni, 0, chunks * 2 * 1024);
   for (std::int64_t s = 0; s < keys.count; ++s) {
     const std::uint16_t* row = k + s * keys.row_stride;
     const std::int64_t half = s / 16, col = s % 16;
