@@ -16,33 +16,33 @@ namespace {
 
 constexpr std::int64_t kTileRows = 16;
 constexpr std::int64_t kChunk = 32;  // bf16 elements in one 64-byte tile row
+constexpr std::int64_t kGroups = kKeyTile / 16;  // 16-key B tiles per key tile
 
 std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
+// Palette 1 with all eight tiles at 16 rows x 64 bytes. Kept in static
+// storage: gcc does not model ldtilecfg as reading the whole 64-byte block, so
+// a stack copy's field stores can be dropped as dead.
 struct alignas(64) TileConfig {
   std::uint8_t palette = 1;
   std::uint8_t start_row = 0;
   std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {};
-  std::uint8_t rows[16] = {};
+  std::uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  std::uint8_t rows[16] = {kTileRows, kTileRows, kTileRows, kTileRows,
+                           kTileRows, kTileRows, kTileRows, kTileRows};
 };
+static_assert(sizeof(TileConfig) == 64);
+alignas(64) const TileConfig kTileConfig{};
 
-void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = kTileRows;
-  }
-  _tile_loadconfig(&cfg);
-}
+void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 
 std::size_t amx_packed_query_bytes(std::int64_t heads, std::int64_t dim) {
   return static_cast<std::size_t>(kQueryBlock * round_up(heads, kTileRows) * round_up(dim, kChunk)) * 2;
 }
 
 std::size_t amx_key_scratch_bytes(std::int64_t dim) {
-  // VNNI B tiles (two per chunk) followed by four fp32 C tiles for the epilogue.
-  return static_cast<std::size_t>(round_up(dim, kChunk) / kChunk) * 2 * 1024 + 4 * 1024 + 64;
+  // VNNI B tiles (one per 16 keys and chunk) followed by four fp32 C tiles for the epilogue.
+  return static_cast<std::size_t>(round_up(dim, kChunk) / kChunk) * kGroups * 1024 + 4 * 1024 + 64;
 }
 
 void amx_pack_queries(const QueryBlockSource& src, void* packed) {
@@ -90,25 +90,25 @@ inline void transpose16x16(__m512i r[16]) {
   }
 }
 
-// B tile (chunk c, half n): row r holds keys n*16 .. n*16+15, each as the pair
+// B tile (chunk c, key group n): row r holds keys n*16 .. n*16+15, each as the pair
 // of dims (c*32 + 2r, c*32 + 2r + 1). A full tile is a 16x16 transpose of the
 // keys' 32-bit dim pairs; partial tiles take the scalar path with zero fill.
 void pack_keys_vnni(const KeyTileSource& keys, std::int64_t dim, std::uint32_t* vnni) {
   const std::int64_t chunks = round_up(dim, kChunk) / kChunk;
   const auto* k = static_cast<const std::uint16_t*>(keys.keys);
   if (keys.count == kKeyTile && dim % kChunk == 0) {
-    for (std::int64_t half = 0; half < 2; ++half)
+    for (std::int64_t half = 0; half < kGroups; ++half)
       for (std::int64_t c = 0; c < chunks; ++c) {
         __m512i r[16];
         for (int col = 0; col < 16; ++col)
           r[col] = _mm512_loadu_si512(k + (half * 16 + col) * keys.row_stride + c * kChunk);
         transpose16x16(r);
-        std::uint32_t* tile = vnni + (c * 2 + half) * 256;
+        std::uint32_t* tile = vnni + (c * kGroups + half) * 256;
         for (int row = 0; row < 16; ++row) _mm512_store_si512(tile + row * 16, r[row]);
       }
     return;
   }
-  std::memset(vnni, 0, chunks * 2 * 1024);
+  std::memset(vnni, 0, chunks * kGroups * 1024);
   for (std::int64_t s = 0; s < keys.count; ++s) {
     const std::uint16_t* row = k + s * keys.row_stride;
     const std::int64_t half = s / 16, col = s % 16;
@@ -116,11 +116,11 @@ void pack_keys_vnni(const KeyTileSource& keys, std::int64_t dim, std::uint32_t* 
       std::uint32_t pair;
       std::memcpy(&pair, row + d, 4);
       const std::int64_t c = d / kChunk, r = (d % kChunk) / 2;
-      vnni[((c * 2 + half) * 16 + r) * 16 + col] = pair;
+      vnni[((c * kGroups + half) * 16 + r) * 16 + col] = pair;
     }
     if (dim % 2) {
       const std::int64_t d = dim - 1, c = d / kChunk, r = (d % kChunk) / 2;
-      vnni[((c * 2 + half) * 16 + r) * 16 + col] = row[d];
+      vnni[((c * kGroups + half) * 16 + r) * 16 + col] = row[d];
     }
   }
 }
@@ -135,56 +135,65 @@ void amx_score_tile(const void* packed, const QueryBlockSource& shape, const flo
   const std::int64_t chunks = dpad / kChunk, groups = hpad / kTileRows;
   auto* vnni = static_cast<std::uint32_t*>(key_scratch);
   float* cbuf = reinterpret_cast<float*>(
-      (reinterpret_cast<std::uintptr_t>(vnni + chunks * 2 * 256) + 63) & ~std::uintptr_t(63));
+      (reinterpret_cast<std::uintptr_t>(vnni + chunks * kGroups * 256) + 63) & ~std::uintptr_t(63));
   pack_keys_vnni(keys, shape.dim, vnni);
   configure_tiles();
   const auto* q = static_cast<const std::uint16_t*>(packed);
   const __m512 zero = _mm512_setzero_ps();
   const int q_stride = static_cast<int>(dpad * 2);
 
+  // Per token: for each pair of 16-head groups, the 64 keys in two passes of
+  // 32, so the pair's A tiles (from the L2-resident query block) are reused
+  // from L1 on the second pass.
   for (std::int64_t t = 0; t < shape.tokens; ++t) {
-    __m512 acc0 = zero, acc1 = zero;
+    __m512 acc[kGroups];
+    for (auto& a : acc) a = zero;
     const float* w = weights + t * shape.heads;
     for (std::int64_t g = 0; g < groups; g += 2) {
       const bool pair = g + 1 < groups;
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
       const std::uint16_t* a0 = q + (t * hpad + g * kTileRows) * dpad;
       const std::uint16_t* a1 = a0 + kTileRows * dpad;
-      for (std::int64_t c = 0; c < chunks; ++c) {
-        _tile_loadd(6, vnni + (c * 2 + 0) * 256, 64);
-        _tile_loadd(7, vnni + (c * 2 + 1) * 256, 64);
-        _tile_loadd(4, a0 + c * kChunk, q_stride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
+      for (std::int64_t pass = 0; pass < kGroups / 2; ++pass) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (std::int64_t c = 0; c < chunks; ++c) {
+          const std::uint32_t* b = vnni + (c * kGroups + 2 * pass) * 256;
+          _tile_loadd(6, b, 64);
+          _tile_loadd(7, b + 256, 64);
+          _tile_loadd(4, a0 + c * kChunk, q_stride);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          if (pair) {
+            _tile_loadd(5, a1 + c * kChunk, q_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, cbuf + 0 * 256, 64);
+        _tile_stored(1, cbuf + 1 * 256, 64);
         if (pair) {
-          _tile_loadd(5, a1 + c * kChunk, q_stride);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          _tile_stored(2, cbuf + 2 * 256, 64);
+          _tile_stored(3, cbuf + 3 * 256, 64);
         }
-      }
-      _tile_stored(0, cbuf + 0 * 256, 64);
-      _tile_stored(1, cbuf + 1 * 256, 64);
-      if (pair) {
-        _tile_stored(2, cbuf + 2 * 256, 64);
-        _tile_stored(3, cbuf + 3 * 256, 64);
-      }
-      for (int part = 0; part < (pair ? 2 : 1); ++part) {
-        const std::int64_t h0 = (g + part) * kTileRows;
-        const float* c0 = cbuf + (2 * part) * 256;
-        const float* c1 = c0 + 256;
-        const std::int64_t rows = shape.heads - h0 < kTileRows ? shape.heads - h0 : kTileRows;
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const __m512 wr = _mm512_set1_ps(w[h0 + r]);
-          acc0 = _mm512_fmadd_ps(wr, relu_keep_nan(_mm512_load_ps(c0 + r * 16), zero), acc0);
-          acc1 = _mm512_fmadd_ps(wr, relu_keep_nan(_mm512_load_ps(c1 + r * 16), zero), acc1);
+        __m512 acc_lo = acc[2 * pass], acc_hi = acc[2 * pass + 1];
+        for (int part = 0; part < (pair ? 2 : 1); ++part) {
+          const std::int64_t h0 = (g + part) * kTileRows;
+          const float* c0 = cbuf + (2 * part) * 256;
+          const float* c1 = c0 + 256;
+          const std::int64_t rows = shape.heads - h0 < kTileRows ? shape.heads - h0 : kTileRows;
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const __m512 wr = _mm512_set1_ps(w[h0 + r]);
+            acc_lo = _mm512_fmadd_ps(wr, relu_keep_nan(_mm512_load_ps(c0 + r * 16), zero), acc_lo);
+            acc_hi = _mm512_fmadd_ps(wr, relu_keep_nan(_mm512_load_ps(c1 + r * 16), zero), acc_hi);
+          }
         }
+        acc[2 * pass] = acc_lo;
+        acc[2 * pass + 1] = acc_hi;
       }
     }
-    _mm512_storeu_ps(out + t * kKeyTile, acc0);
-    _mm512_storeu_ps(out + t * kKeyTile + 16, acc1);
+    for (std::int64_t n = 0; n < kGroups; ++n) _mm512_storeu_ps(out + t * kKeyTile + n * 16, acc[n]);
   }
 }
 

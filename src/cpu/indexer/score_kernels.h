@@ -15,7 +15,7 @@
 namespace dsa::cpu::indexer_kernels {
 
 inline constexpr std::int64_t kQueryBlock = 16;
-inline constexpr std::int64_t kKeyTile = 32;
+inline constexpr std::int64_t kKeyTile = 64;
 
 struct QueryBlockSource {
   const void* query;  // first token of the block
