@@ -54,7 +54,9 @@ def dsa_indexer(index_query: torch.Tensor, index_key: torch.Tensor, weights: tor
     check_int(cmp_ratio, "cmp_ratio", 1)
     check_layout(layout)
     check_backend(backend)
-    if index_key.dim() == index_query.dim():  # [S, 1, D] / [B, S, 1, D]: one shared head
+    # [S, 1, D] / [B, S, 1, D]: one shared head. Decided by the layout's rank, not by
+    # index_query's, so that a query of the wrong rank is reported as such.
+    if index_key.dim() == (3 if layout == "TND" else 4):
         if index_key.shape[-2] != 1:
             raise ValueError(f"index_key: expected one shared key head, got shape {list(index_key.shape)}")
         index_key = index_key.squeeze(-2)

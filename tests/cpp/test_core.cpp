@@ -1,0 +1,135 @@
+// Core services: the thread pool and backend resolution.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/sequences.h"
+#include "core/thread_pool.h"
+#include "dsa/backend.h"
+#include "dsa/error.h"
+
+namespace {
+
+using dsa::Backend;
+using dsa::Device;
+using dsa::Error;
+using dsa::ErrorKind;
+
+TEST(ThreadPool, EveryTaskRunsExactlyOnce) {
+  for (int threads : {1, 2, 3, 8}) {
+    for (std::int64_t n : {1, 2, 7, 100, 1000}) {
+      std::vector<std::atomic<int>> runs(n);
+      std::atomic<int> bad_thread{0};
+      dsa::core::parallel_for(n, threads, [&](std::int64_t task, int thread) {
+        runs[task].fetch_add(1);
+        if (thread < 0 || thread >= threads) bad_thread.fetch_add(1);
+      });
+      for (std::int64_t t = 0; t < n; ++t) EXPECT_EQ(runs[t].load(), 1) << "threads " << threads << " n " << n << " task " << t;
+      EXPECT_EQ(bad_thread.load(), 0);
+    }
+  }
+}
+
+TEST(ThreadPool, NoTasksNoCalls) {
+  int calls = 0;
+  dsa::core::parallel_for(0, 4, [&](std::int64_t, int) { ++calls; });
+  dsa::core::parallel_for(-3, 4, [&](std::int64_t, int) { ++calls; });
+  EXPECT_EQ(calls, 0);
+}
+
+TEST(ThreadPool, ExceptionPropagatesAndPoolStaysUsable) {
+  for (int threads : {1, 2, 4}) {
+    try {
+      dsa::core::parallel_for(64, threads, [&](std::int64_t task, int) {
+        if (task == 5) throw Error(ErrorKind::internal, "task five failed");
+      });
+      ADD_FAILURE() << "no exception with " << threads << " threads";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::internal);
+      EXPECT_NE(std::string(e.what()).find("task five"), std::string::npos);
+    }
+    // The pool must still run a full region after a failed one.
+    std::atomic<std::int64_t> sum{0};
+    dsa::core::parallel_for(100, threads, [&](std::int64_t task, int) { sum.fetch_add(task); });
+    EXPECT_EQ(sum.load(), 99 * 100 / 2);
+  }
+}
+
+TEST(ThreadPool, NestedRegionRunsInline) {
+  std::vector<std::atomic<int>> runs(4 * 8);
+  dsa::core::parallel_for(4, 2, [&](std::int64_t outer, int) {
+    dsa::core::parallel_for(8, 2, [&](std::int64_t inner, int thread) {
+      EXPECT_EQ(thread, 0);  // inline: the nested region never uses another worker slot
+      runs[outer * 8 + inner].fetch_add(1);
+    });
+  });
+  for (auto& r : runs) EXPECT_EQ(r.load(), 1);
+}
+
+TEST(ThreadPool, ResolveNumThreads) {
+  EXPECT_EQ(dsa::core::resolve_num_threads(3), 3);
+  EXPECT_EQ(dsa::core::resolve_num_threads(0), dsa::default_num_threads());
+  EXPECT_EQ(dsa::core::resolve_num_threads(-2), dsa::default_num_threads());
+  EXPECT_GE(dsa::default_num_threads(), 1);
+}
+
+TEST(Backends, ResolveAutoAndExplicit) {
+  EXPECT_EQ(dsa::resolve_backend(Backend::automatic, Device::cpu), Backend::cpu);
+  EXPECT_EQ(dsa::resolve_backend(Backend::cpu, Device::cpu), Backend::cpu);
+  EXPECT_EQ(dsa::resolve_backend(Backend::reference, Device::cpu), Backend::reference);
+}
+
+void expect_unsupported_naming(Backend b, Device d, const std::string& word) {
+  try {
+    dsa::resolve_backend(b, d);
+    ADD_FAILURE() << "no error for backend " << dsa::backend_name(b);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::unsupported);
+    EXPECT_NE(std::string(e.what()).find(word), std::string::npos) << e.what();
+  }
+}
+
+TEST(Backends, NeverFallsBack) {
+  expect_unsupported_naming(Backend::cuda, Device::cpu, "cuda");
+  expect_unsupported_naming(Backend::automatic, Device::cuda, "cuda");  // auto on CUDA tensors -> cuda, not built
+  expect_unsupported_naming(Backend::cpu, Device::cuda, "cpu");
+  expect_unsupported_naming(Backend::reference, Device::cuda, "reference");
+}
+
+TEST(Backends, ParseNames) {
+  EXPECT_EQ(dsa::parse_backend("auto"), Backend::automatic);
+  EXPECT_EQ(dsa::parse_backend("reference"), Backend::reference);
+  EXPECT_EQ(dsa::parse_backend("cpu"), Backend::cpu);
+  EXPECT_EQ(dsa::parse_backend("cuda"), Backend::cuda);
+  for (Backend b : {Backend::automatic, Backend::reference, Backend::cpu, Backend::cuda})
+    EXPECT_EQ(dsa::parse_backend(dsa::backend_name(b)), b);
+  try {
+    dsa::parse_backend("gpu");
+    ADD_FAILURE() << "unknown backend accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+    EXPECT_NE(std::string(e.what()).find("backend"), std::string::npos);
+    EXPECT_NE(std::string(e.what()).find("gpu"), std::string::npos);
+  }
+}
+
+TEST(Backends, ReportProvesBuiltOnesRun) {
+  const auto infos = dsa::backends();
+  ASSERT_EQ(infos.size(), 3u);
+  for (const auto& info : infos) {
+    if (info.name == "cuda") {
+      EXPECT_FALSE(info.built);
+      EXPECT_FALSE(info.works);
+    } else {
+      EXPECT_TRUE(info.built) << info.name;
+      EXPECT_TRUE(info.works) << info.name << ": " << info.detail;
+    }
+  }
+  const std::string isa = dsa::cpu_isa_name();
+  EXPECT_TRUE(isa == "amx" || isa == "avx512" || isa == "avx2" || isa == "portable") << isa;
+}
+
+}  // namespace
