@@ -3,6 +3,8 @@
 
 #include "dsa/backend.h"
 #include "dsa/error.h"
+#include "dsa/dense_indexer.h"
 #include "dsa/indexer.h"
+#include "dsa/kl_loss.h"
 #include "dsa/layout.h"
 #include "dsa/tensor.h"

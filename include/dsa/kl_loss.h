@@ -1,0 +1,70 @@
+// Sparse indexer KL loss (spec/ops.md 4.3): trains the lightning indexer to
+// imitate the main attention on the indexer's own selection.
+//
+//   teacher  P_h(t, i) = exp(scale * q_h . kv[idx_i] - max_h) / (sum_h [+ exp(sink_h - max_h)])
+//            p = sum_h P_h, L1-normalised over the valid entries of the row
+//   student  softmax over the same entries of I[t, idx_i] (4.1, with index_scale)
+//   KL_t     = sum_i p (log p - log student)           (p = 0 terms contribute 0)
+//   loss     = loss_coefficient * sum_t KL_t [/ N]      N = rows with a valid entry
+//
+// Only index_query, index_key and weights receive gradients:
+//   dI = grad_loss * coefficient [/ N] * (student - p).
+// The forward writes that per-entry factor (without grad_loss) into
+// `score_grad`, so the backward never recomputes the teacher.
+#pragma once
+
+#include <cstdint>
+
+#include "dsa/backend.h"
+#include "dsa/layout.h"
+#include "dsa/tensor.h"
+
+namespace dsa {
+
+enum class Reduction : int { mean, sum };
+
+Reduction parse_reduction(const char* name);  // "mean" | "sum"
+
+struct KlLossParams {
+  float scale = 1.0f;        // main attention logit scale
+  float index_scale = 1.0f;  // indexer score scale
+  std::int64_t cmp_ratio = 1;  // > 1: kv, index_key and indices address compressed entries
+  float loss_coefficient = 1.0f;
+  Reduction reduction = Reduction::mean;
+  Layout layout = Layout::TND;
+  CuSeqlens cu_seqlens_q;
+  CuSeqlens cu_seqlens_k;  // raw key lengths (see dsa/layout.h)
+  int num_threads = 0;
+};
+
+// Shapes (TND | BSND); bf16, fp16 or fp32 unless noted:
+//   query        [T, H, D]              | [B, Sq, H, D]
+//   kv           [S', D] / [S', 1, D]   | [B, Sk', D] / [B, Sk', 1, D], dtype of query
+//   indices      [T, K] / [T, 1, K]     | [B, Sq, K] / [B, Sq, 1, K]    int32
+//   softmax_max, softmax_sum [T, H]     | [B, Sq, H]                   fp32
+//   index_query  [T, Hi, Di]            | [B, Sq, Hi, Di]
+//   index_key    [S', Di] / [S', 1, Di] | [B, Sk', Di] / ...           dtype of index_query
+//   weights      [T, Hi]                | [B, Sq, Hi]
+//   sinks        [H] fp32, optional; query_rope [.., H, Dr] / key_rope [S', Dr], optional
+//   loss         one fp32 element, written
+//   score_grad   like indices (without the head dim), fp32, written; may be absent
+void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView& indices,
+                 const TensorView& softmax_max, const TensorView& softmax_sum,
+                 const TensorView& index_query, const TensorView& index_key,
+                 const TensorView& weights, const TensorView& sinks,
+                 const TensorView& query_rope, const TensorView& key_rope,
+                 const KlLossParams& params, const TensorView& loss,
+                 const TensorView& score_grad = TensorView{},
+                 Backend backend = Backend::automatic);
+
+// Gradients of grad_loss * loss w.r.t. the indexer inputs, from the forward's
+// score_grad. d_index_query / d_index_key / d_weights have the shapes and
+// dtypes of their inputs (contiguous) and are overwritten; rows and keys that
+// take part in no valid entry get 0.
+void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
+                 const TensorView& index_key, const TensorView& weights,
+                 const TensorView& score_grad, float grad_loss, const KlLossParams& params,
+                 const TensorView& d_index_query, const TensorView& d_index_key,
+                 const TensorView& d_weights, Backend backend = Backend::automatic);
+
+}  // namespace dsa

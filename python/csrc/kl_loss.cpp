@@ -1,0 +1,120 @@
+#include "tensor_view.h"
+
+namespace dsa::python {
+
+using Arr = nb::ndarray<>;
+using OptArr = std::optional<nb::ndarray<>>;
+using Cu = std::vector<std::int64_t>;
+
+void register_kl_loss(nb::module_& m) {
+  m.def("kl_loss_fwd",
+        [](Arr query, Arr kv, Arr indices, Arr softmax_max, Arr softmax_sum, Arr index_query, Arr index_key,
+           Arr weights, OptArr sinks, OptArr query_rope, OptArr key_rope, Arr loss, OptArr score_grad, double scale,
+           double index_scale, std::int64_t cmp_ratio, Cu cu_q, Cu cu_k, const std::string& layout,
+           double loss_coefficient, const std::string& reduction, const std::string& backend, int num_threads) {
+          KlLossParams p;
+          p.scale = static_cast<float>(scale);
+          p.index_scale = static_cast<float>(index_scale);
+          p.cmp_ratio = cmp_ratio;
+          p.cu_seqlens_q = std::move(cu_q);
+          p.cu_seqlens_k = std::move(cu_k);
+          p.layout = parse_layout(layout);
+          p.loss_coefficient = static_cast<float>(loss_coefficient);
+          p.reduction = parse_reduction(reduction.c_str());
+          p.num_threads = num_threads;
+          const Backend b = parse_backend(backend);
+          const TensorView v[] = {to_view(query, "query"), to_view(kv, "kv"), to_view(indices, "indices"),
+                                  to_view(softmax_max, "softmax_max"), to_view(softmax_sum, "softmax_sum"),
+                                  to_view(index_query, "index_query"), to_view(index_key, "index_key"),
+                                  to_view(weights, "weights"), to_view(sinks, "sinks"),
+                                  to_view(query_rope, "query_rope"), to_view(key_rope, "key_rope"),
+                                  to_view(loss, "loss"), to_view(score_grad, "score_grad")};
+          nb::gil_scoped_release release;
+          kl_loss_fwd(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], p, v[11], v[12], b);
+        });
+  m.def("kl_loss_bwd",
+        [](Arr indices, Arr index_query, Arr index_key, Arr weights, Arr score_grad, double grad_loss,
+           Arr d_index_query, Arr d_index_key, Arr d_weights, double index_scale, std::int64_t cmp_ratio, Cu cu_q,
+           Cu cu_k, const std::string& layout, const std::string& backend, int num_threads) {
+          KlLossParams p;
+          p.index_scale = static_cast<float>(index_scale);
+          p.cmp_ratio = cmp_ratio;
+          p.cu_seqlens_q = std::move(cu_q);
+          p.cu_seqlens_k = std::move(cu_k);
+          p.layout = parse_layout(layout);
+          p.num_threads = num_threads;
+          const Backend b = parse_backend(backend);
+          const TensorView v[] = {to_view(indices, "indices"), to_view(index_query, "index_query"),
+                                  to_view(index_key, "index_key"), to_view(weights, "weights"),
+                                  to_view(score_grad, "score_grad"), to_view(d_index_query, "d_index_query"),
+                                  to_view(d_index_key, "d_index_key"), to_view(d_weights, "d_weights")};
+          nb::gil_scoped_release release;
+          kl_loss_bwd(v[0], v[1], v[2], v[3], v[4], static_cast<float>(grad_loss), p, v[5], v[6], v[7], b);
+        });
+  m.def("dense_indexer_lse",
+        [](Arr index_query, Arr index_key, Arr head_weights, Arr lse, double scale, std::int64_t cmp_ratio, Cu cu_q,
+           Cu cu_k, const std::string& layout, const std::string& backend, int num_threads) {
+          DenseIndexerLseParams p;
+          p.scale = static_cast<float>(scale);
+          p.cmp_ratio = cmp_ratio;
+          p.cu_seqlens_q = std::move(cu_q);
+          p.cu_seqlens_k = std::move(cu_k);
+          p.layout = parse_layout(layout);
+          p.num_threads = num_threads;
+          const Backend b = parse_backend(backend);
+          const TensorView q = to_view(index_query, "index_query"), k = to_view(index_key, "index_key"),
+                           w = to_view(head_weights, "head_weights"), l = to_view(lse, "indexer_lse");
+          nb::gil_scoped_release release;
+          dense_indexer_lse(q, k, w, p, l, b);
+        });
+  auto dense_params = [](double scale, double index_scale, Cu cu_q, Cu cu_k, const std::string& layout,
+                         double loss_coefficient, const std::string& reduction, int num_threads) {
+    DenseIndexerKlParams p;
+    p.scale = static_cast<float>(scale);
+    p.index_scale = static_cast<float>(index_scale);
+    p.cu_seqlens_q = std::move(cu_q);
+    p.cu_seqlens_k = std::move(cu_k);
+    p.layout = parse_layout(layout);
+    p.loss_coefficient = static_cast<float>(loss_coefficient);
+    p.reduction = parse_reduction(reduction.c_str());
+    p.num_threads = num_threads;
+    return p;
+  };
+  m.def("dense_indexer_kl_loss_fwd",
+        [dense_params](Arr index_query, Arr index_key, Arr head_weights, Arr query, Arr key, Arr softmax_max,
+                       Arr softmax_sum, Arr indexer_lse, OptArr query_rope, OptArr key_rope, Arr loss, double scale,
+                       double index_scale, Cu cu_q, Cu cu_k, const std::string& layout, double loss_coefficient,
+                       const std::string& reduction, const std::string& backend, int num_threads) {
+          const DenseIndexerKlParams p = dense_params(scale, index_scale, std::move(cu_q), std::move(cu_k), layout,
+                                                      loss_coefficient, reduction, num_threads);
+          const Backend b = parse_backend(backend);
+          const TensorView v[] = {to_view(index_query, "index_query"), to_view(index_key, "index_key"),
+                                  to_view(head_weights, "head_weights"), to_view(query, "query"), to_view(key, "key"),
+                                  to_view(softmax_max, "softmax_max"), to_view(softmax_sum, "softmax_sum"),
+                                  to_view(indexer_lse, "indexer_lse"), to_view(query_rope, "query_rope"),
+                                  to_view(key_rope, "key_rope"), to_view(loss, "loss")};
+          nb::gil_scoped_release release;
+          dense_indexer_kl_loss_fwd(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], p, v[10], b);
+        });
+  m.def("dense_indexer_kl_loss_bwd",
+        [dense_params](Arr index_query, Arr index_key, Arr head_weights, Arr query, Arr key, Arr softmax_max,
+                       Arr softmax_sum, Arr indexer_lse, OptArr query_rope, OptArr key_rope, double grad_loss,
+                       Arr d_index_query, Arr d_index_key, Arr d_head_weights, double scale, double index_scale,
+                       Cu cu_q, Cu cu_k, const std::string& layout, double loss_coefficient,
+                       const std::string& reduction, const std::string& backend, int num_threads) {
+          const DenseIndexerKlParams p = dense_params(scale, index_scale, std::move(cu_q), std::move(cu_k), layout,
+                                                      loss_coefficient, reduction, num_threads);
+          const Backend b = parse_backend(backend);
+          const TensorView v[] = {to_view(index_query, "index_query"), to_view(index_key, "index_key"),
+                                  to_view(head_weights, "head_weights"), to_view(query, "query"), to_view(key, "key"),
+                                  to_view(softmax_max, "softmax_max"), to_view(softmax_sum, "softmax_sum"),
+                                  to_view(indexer_lse, "indexer_lse"), to_view(query_rope, "query_rope"),
+                                  to_view(key_rope, "key_rope"), to_view(d_index_query, "d_index_query"),
+                                  to_view(d_index_key, "d_index_key"), to_view(d_head_weights, "d_head_weights")};
+          nb::gil_scoped_release release;
+          dense_indexer_kl_loss_bwd(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9],
+                                    static_cast<float>(grad_loss), p, v[10], v[11], v[12], b);
+        });
+}
+
+}  // namespace dsa::python

@@ -1,0 +1,118 @@
+// Fused CPU KL losses: ISA dispatch. dense_indexer_lse reuses the indexer's
+// score microkernels (AMX for bf16) with an online log-sum-exp per row.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/numeric.h"
+#include "core/thread_pool.h"
+#include "cpu/indexer/score_kernels.h"
+#include "cpu/kl_loss/kl_kernels.h"
+
+namespace dsa::cpu {
+namespace {
+
+const kl_kernels::KlKernels& pick() {
+  switch (core::cpu_isa()) {
+    case core::Isa::amx:
+    case core::Isa::avx512: return kl_kernels::avx512_kernels();
+    case core::Isa::avx2: return kl_kernels::avx2_kernels();
+    default: return kl_kernels::portable_kernels();
+  }
+}
+
+const indexer_kernels::ScoreKernel& pick_score_kernel(DType dtype) {
+  using namespace indexer_kernels;
+  switch (core::cpu_isa()) {
+    case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
+    case core::Isa::avx512: return avx512_kernel();
+    case core::Isa::avx2: return avx2_kernel();
+    default: return portable_kernel();
+  }
+}
+
+}  // namespace
+
+void kl_loss_fwd(const SparseKlProblem& p) { pick().sparse_fwd(p); }
+void kl_loss_bwd(const SparseKlBackwardProblem& p) { pick().sparse_bwd(p); }
+void dense_indexer_kl_loss_fwd(const DenseKlProblem& p) { pick().dense_fwd(p); }
+void dense_indexer_kl_loss_bwd(const DenseKlProblem& p) { pick().dense_bwd(p); }
+
+void dense_indexer_lse(const DenseLseProblem& p) {
+  using namespace indexer_kernels;
+  const ScoreKernel& kernel = pick_score_kernel(p.index_query.dtype);
+  std::fill(p.lse, p.lse + p.plan.q_rows, core::kPosInf);
+  struct Task {
+    std::int64_t seq, first, tokens, cost;
+  };
+  std::vector<Task> tasks;
+  for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
+    const auto& seq = p.plan.seqs[b];
+    for (std::int64_t first = 0; first < seq.q_len; first += kQueryBlock) {
+      const std::int64_t tokens = std::min(kQueryBlock, seq.q_len - first);
+      const std::int64_t visible = visible_compressed(seq.position(first + tokens - 1), p.ratio);
+      tasks.push_back({b, first, tokens, tokens * (visible + 1)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const int threads = std::max(1, std::min<int>(p.num_threads, static_cast<int>(tasks.size())));
+  const HeadMatrix& iq = p.index_query;
+  struct Scratch {
+    std::vector<std::uint8_t> packed, key_scratch;
+    std::vector<float> weights, tile;
+  };
+  std::vector<Scratch> scratch(threads);
+  for (auto& s : scratch) {
+    s.packed.resize(kernel.packed_query_bytes(iq.heads, iq.dim) + 64);
+    s.key_scratch.resize(kernel.key_scratch_bytes(iq.dim) + 64);
+    s.weights.resize(kQueryBlock * iq.heads);
+    s.tile.resize(kQueryBlock * kKeyTile);
+  }
+  auto aligned = [](std::vector<std::uint8_t>& v) {
+    return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t(63));
+  };
+  core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t task_index, int thread) {
+    const Task& task = tasks[task_index];
+    const auto& seq = p.plan.seqs[task.seq];
+    Scratch& s = scratch[thread];
+    const std::int64_t row0 = seq.q_begin + task.first;
+    QueryBlockSource block{iq.bytes(row0, 0), iq.dtype, iq.row_stride, iq.head_stride, task.tokens, iq.heads, iq.dim};
+    void* packed = aligned(s.packed);
+    kernel.pack_queries(block, packed);
+    for (std::int64_t t = 0; t < task.tokens; ++t)
+      for (std::int64_t h = 0; h < iq.heads; ++h)
+        s.weights[t * iq.heads + h] = p.scale * p.weights.at(row0 + t, h, 0);
+    // Online log-sum-exp: running max and the sum of exp(score - max), in key order.
+    float running_max[kQueryBlock], running_sum[kQueryBlock];
+    std::int64_t visible[kQueryBlock];
+    for (std::int64_t t = 0; t < task.tokens; ++t) {
+      running_max[t] = core::kNegInf;
+      running_sum[t] = 0.0f;
+      visible[t] = visible_compressed(seq.position(task.first + t), p.ratio);
+    }
+    const std::int64_t last = visible[task.tokens - 1];
+    for (std::int64_t k0 = 0; k0 < last; k0 += kKeyTile) {
+      const std::int64_t n = std::min(kKeyTile, last - k0);
+      KeyTileSource keys{p.index_key.bytes(seq.c_begin + k0, 0), p.index_key.dtype, p.index_key.row_stride, n};
+      kernel.score_tile(packed, block, s.weights.data(), keys, aligned(s.key_scratch), s.tile.data());
+      for (std::int64_t t = 0; t < task.tokens; ++t) {
+        const std::int64_t count = std::min(n, visible[t] - k0);
+        if (count <= 0) continue;
+        const float* score = s.tile.data() + t * kKeyTile;
+        float tile_max = core::kNegInf;
+        for (std::int64_t j = 0; j < count; ++j) tile_max = std::max(tile_max, score[j]);
+        const float new_max = std::max(running_max[t], tile_max);
+        if (!(new_max > core::kNegInf)) continue;
+        float sum = running_sum[t] * (running_sum[t] > 0.0f ? std::exp(running_max[t] - new_max) : 0.0f);
+        for (std::int64_t j = 0; j < count; ++j) sum += std::exp(score[j] - new_max);
+        running_max[t] = new_max;
+        running_sum[t] = sum;
+      }
+    }
+    for (std::int64_t t = 0; t < task.tokens; ++t)
+      if (visible[t] > 0) p.lse[row0 + t] = running_max[t] + std::log(running_sum[t]);
+  });
+}
+
+}  // namespace dsa::cpu

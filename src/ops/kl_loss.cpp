@@ -1,0 +1,252 @@
+// dsa::kl_loss_fwd / kl_loss_bwd: validation, problem set-up and backend dispatch.
+#include "ops/kl_loss.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "core/thread_pool.h"
+#include "core/validate.h"
+
+namespace dsa {
+
+Reduction parse_reduction(const char* name) {
+  if (std::strcmp(name, "mean") == 0) return Reduction::mean;
+  if (std::strcmp(name, "sum") == 0) return Reduction::sum;
+  core::fail_argument("reduction: expected 'mean' or 'sum', got '", name, "'");
+}
+
+namespace detail {
+
+HeadMatrix head_matrix(const TensorView& t, int lead, const char* name) {
+  HeadMatrix m;
+  if (!t.present()) return m;
+  m.data = t.data;
+  m.dtype = t.dtype;
+  m.row_stride = t.stride(lead);
+  const bool has_heads = t.ndim == lead + 3;
+  m.heads = has_heads ? t.size(lead + 1) : 1;
+  m.head_stride = has_heads ? t.stride(lead + 1) : 0;
+  m.dim = t.size(-1);
+  if (lead == 1 && t.size(0) > 1 && t.stride(0) != t.size(1) * t.stride(1))
+    core::fail_argument(name, ": the batch and sequence dims must be mergeable (contiguous rows)");
+  return m;
+}
+
+void require_gradient_output(const TensorView& grad, const TensorView& input, const char* name) {
+  using namespace core;
+  require_present(grad, name);
+  require_cpu(grad, name);
+  require_dtype(grad, name, {input.dtype});
+  require_contiguous(grad, name);
+  if (grad.ndim != input.ndim) fail_argument(name, ": expected the shape of its input ", shape_string(input), ", got ", shape_string(grad));
+  for (int d = 0; d < grad.ndim; ++d)
+    if (grad.size(d) != input.size(d))
+      fail_argument(name, ": expected the shape of its input ", shape_string(input), ", got ", shape_string(grad));
+}
+
+void require_statistics(const TensorView& t, const char* name, const TensorView& query, int lead) {
+  using namespace core;
+  require_present(t, name);
+  require_cpu(t, name);
+  require_dtype(t, name, {DType::f32});
+  require_contiguous(t, name);
+  require_ndim(t, name, {2 + lead}, lead ? "[B, Sq, H]" : "[T, H]");
+  for (int d = 0; d <= lead; ++d) require_size(t, name, d, query.size(d), "the leading dims of query");
+  require_size(t, name, -1, query.size(-2), "H of query");
+}
+
+}  // namespace detail
+
+namespace {
+
+using namespace core;
+
+// Checks shared by the forward and the backward: the indexer tensors and indices.
+void validate_indexer_side(const TensorView& indices, const TensorView& index_query,
+                           const TensorView& index_key, const TensorView& weights,
+                           const KlLossParams& params, int lead) {
+  const bool tnd = lead == 0;
+  require_float_input(index_query, "index_query", {3 + lead}, tnd ? "[T, Hi, Di]" : "[B, Sq, Hi, Di]");
+  require_float_input(index_key, "index_key", {2 + lead, 3 + lead},
+                      tnd ? "[S', Di] or [S', 1, Di]" : "[B, Sk', Di] or [B, Sk', 1, Di]");
+  require_float_input(weights, "weights", {2 + lead}, tnd ? "[T, Hi]" : "[B, Sq, Hi]");
+  if (index_key.dtype != index_query.dtype)
+    fail_argument("index_key: expected the dtype of index_query (", dtype_name(index_query.dtype),
+                  "), got ", dtype_name(index_key.dtype));
+  if (index_key.ndim == 3 + lead) require_size(index_key, "index_key", 1 + lead, 1, "one shared key head");
+  require_size(index_key, "index_key", -1, index_query.size(-1), "Di of index_query");
+  for (int d = 0; d <= lead; ++d)
+    require_size(weights, "weights", d, index_query.size(d), "the leading dims of index_query");
+  require_size(weights, "weights", -1, index_query.size(-2), "Hi of index_query");
+  if (!tnd) require_size(index_key, "index_key", 0, index_query.size(0), "B of index_query");
+
+  require_present(indices, "indices");
+  require_cpu(indices, "indices");
+  require_dtype(indices, "indices", {DType::i32});
+  require_ndim(indices, "indices", {2 + lead, 3 + lead}, tnd ? "[T, K] or [T, 1, K]" : "[B, Sq, K] or [B, Sq, 1, K]");
+  require_last_dim_contiguous(indices, "indices");
+  if (indices.ndim == 3 + lead) require_size(indices, "indices", 1 + lead, 1, "one index head");
+  for (int d = 0; d <= lead; ++d)
+    require_size(indices, "indices", d, index_query.size(d), "the leading dims of index_query");
+  if (indices.size(-1) <= 0) fail_argument("indices: expected at least one entry per row (K > 0), got K = 0");
+  if (!tnd && indices.size(0) > 1 && indices.stride(0) != indices.size(1) * indices.stride(1))
+    fail_argument("indices: the batch and sequence dims must be mergeable (contiguous rows)");
+
+  if (params.cmp_ratio < 1) fail_argument("cmp_ratio: expected an integer >= 1, got ", params.cmp_ratio);
+  if (!std::isfinite(params.index_scale)) fail_argument("index_scale: expected a finite number, got ", params.index_scale);
+  if (!std::isfinite(params.loss_coefficient))
+    fail_argument("loss_coefficient: expected a finite number, got ", params.loss_coefficient);
+}
+
+SequencePlan plan_for(const TensorView& index_query, const TensorView& index_key,
+                      const KlLossParams& params, int lead) {
+  LengthSpec spec;
+  spec.layout = params.layout;
+  spec.batch = lead ? index_query.size(0) : 1;
+  spec.q_extent = index_query.size(lead);
+  const std::int64_t key_rows = index_key.size(lead);
+  if (params.cmp_ratio > 1) spec.c_extent = key_rows; else spec.k_extent = key_rows;
+  spec.ratio = params.cmp_ratio;
+  spec.cu_q = &params.cu_seqlens_q;
+  spec.cu_k = &params.cu_seqlens_k;
+  return plan_sequences(spec);
+}
+
+}  // namespace
+
+void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView& indices,
+                 const TensorView& softmax_max, const TensorView& softmax_sum,
+                 const TensorView& index_query, const TensorView& index_key,
+                 const TensorView& weights, const TensorView& sinks,
+                 const TensorView& query_rope, const TensorView& key_rope,
+                 const KlLossParams& params, const TensorView& loss,
+                 const TensorView& score_grad, Backend backend) {
+  const bool tnd = params.layout == Layout::TND;
+  const int lead = tnd ? 0 : 1;
+  require_float_input(query, "query", {3 + lead}, tnd ? "[T, H, D]" : "[B, Sq, H, D]");
+  backend = resolve_backend(backend, query.device);
+  validate_indexer_side(indices, index_query, index_key, weights, params, lead);
+  require_float_input(kv, "kv", {2 + lead, 3 + lead}, tnd ? "[S', D] or [S', 1, D]" : "[B, Sk', D] or [B, Sk', 1, D]");
+  if (kv.dtype != query.dtype)
+    fail_argument("kv: expected the dtype of query (", dtype_name(query.dtype), "), got ", dtype_name(kv.dtype));
+  if (kv.ndim == 3 + lead) require_size(kv, "kv", 1 + lead, 1, "one shared KV head");
+  require_size(kv, "kv", -1, query.size(-1), "D of query");
+  for (int d = 0; d <= lead; ++d) require_size(query, "query", d, index_query.size(d), "the leading dims of index_query");
+  if (!tnd) require_size(kv, "kv", 0, query.size(0), "B of query");
+  require_size(kv, "kv", lead, index_key.size(lead), "the key rows of index_key (both address the same entries)");
+  detail::require_statistics(softmax_max, "softmax_max", query, lead);
+  detail::require_statistics(softmax_sum, "softmax_sum", query, lead);
+  const std::int64_t heads = query.size(-2);
+  if (sinks.present()) {
+    require_cpu(sinks, "sinks");
+    require_dtype(sinks, "sinks", {DType::f32});
+    require_contiguous(sinks, "sinks");
+    require_ndim(sinks, "sinks", {1}, "[H]");
+    require_size(sinks, "sinks", 0, heads, "H of query");
+  }
+  if (query_rope.present() != key_rope.present())
+    fail_argument(query_rope.present() ? "key_rope" : "query_rope",
+                  ": query_rope and key_rope must be given together");
+  if (query_rope.present()) {
+    require_float_input(query_rope, "query_rope", {3 + lead}, tnd ? "[T, H, Dr]" : "[B, Sq, H, Dr]");
+    require_float_input(key_rope, "key_rope", {2 + lead, 3 + lead}, tnd ? "[S', Dr] or [S', 1, Dr]" : "[B, Sk', Dr]");
+    require_dtype(query_rope, "query_rope", {query.dtype});
+    require_dtype(key_rope, "key_rope", {query.dtype});
+    for (int d = 0; d < 2 + lead; ++d) require_size(query_rope, "query_rope", d, query.size(d), "the leading dims and heads of query");
+    if (key_rope.ndim == 3 + lead) require_size(key_rope, "key_rope", 1 + lead, 1, "one shared key head");
+    for (int d = 0; d <= lead; ++d) require_size(key_rope, "key_rope", d, kv.size(d), "the leading dims of kv");
+    require_size(key_rope, "key_rope", -1, query_rope.size(-1), "Dr of query_rope");
+  }
+  if (!std::isfinite(params.scale)) fail_argument("scale: expected a finite number, got ", params.scale);
+  require_present(loss, "loss");
+  require_cpu(loss, "loss");
+  require_dtype(loss, "loss", {DType::f32});
+  if (loss.numel() != 1) fail_argument("loss: expected one element, got shape ", shape_string(loss));
+  if (score_grad.present()) {
+    require_cpu(score_grad, "score_grad");
+    require_dtype(score_grad, "score_grad", {DType::f32});
+    require_contiguous(score_grad, "score_grad");
+    const std::int64_t rows = tnd ? indices.size(0) : indices.size(0) * indices.size(1);
+    if (score_grad.numel() != rows * indices.size(-1))
+      fail_argument("score_grad: expected ", rows, " x ", indices.size(-1), " elements (the shape of indices), got shape ",
+                    shape_string(score_grad));
+  }
+
+  SparseKlProblem p;
+  p.plan = plan_for(index_query, index_key, params, lead);
+  p.query = detail::head_matrix(query, lead, "query");
+  p.query_rope = detail::head_matrix(query_rope, lead, "query_rope");
+  p.kv = detail::head_matrix(kv, lead, "kv");
+  p.key_rope = detail::head_matrix(key_rope, lead, "key_rope");
+  p.indices = indices.ptr<std::int32_t>();
+  p.index_row_stride = indices.stride(lead);
+  p.topk = indices.size(-1);
+  p.softmax_max = softmax_max.ptr<float>();
+  p.softmax_sum = softmax_sum.ptr<float>();
+  p.sinks = sinks.present() ? sinks.ptr<float>() : nullptr;
+  p.index_query = detail::head_matrix(index_query, lead, "index_query");
+  p.index_key = detail::head_matrix(index_key, lead, "index_key");
+  p.weights = detail::head_matrix(weights, lead, "weights");
+  p.weights.heads = weights.size(-1);
+  p.weights.head_stride = weights.stride(-1);
+  p.weights.dim = 1;
+  p.scale = params.scale;
+  p.index_scale = params.index_scale;
+  p.coefficient = params.loss_coefficient;
+  p.reduction = params.reduction;
+  p.ratio = params.cmp_ratio;
+  p.num_threads = resolve_num_threads(params.num_threads);
+  p.loss = loss.ptr<float>();
+  p.score_grad = score_grad.present() ? score_grad.ptr<float>() : nullptr;
+  if (backend == Backend::reference) reference::kl_loss_fwd(p);
+  else cpu::kl_loss_fwd(p);
+}
+
+void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
+                 const TensorView& index_key, const TensorView& weights,
+                 const TensorView& score_grad, float grad_loss, const KlLossParams& params,
+                 const TensorView& d_index_query, const TensorView& d_index_key,
+                 const TensorView& d_weights, Backend backend) {
+  const bool tnd = params.layout == Layout::TND;
+  const int lead = tnd ? 0 : 1;
+  require_float_input(index_query, "index_query", {3 + lead}, tnd ? "[T, Hi, Di]" : "[B, Sq, Hi, Di]");
+  backend = resolve_backend(backend, index_query.device);
+  validate_indexer_side(indices, index_query, index_key, weights, params, lead);
+  require_present(score_grad, "score_grad");
+  require_cpu(score_grad, "score_grad");
+  require_dtype(score_grad, "score_grad", {DType::f32});
+  require_contiguous(score_grad, "score_grad");
+  const std::int64_t rows = tnd ? indices.size(0) : indices.size(0) * indices.size(1);
+  if (score_grad.numel() != rows * indices.size(-1))
+    fail_argument("score_grad: expected ", rows, " x ", indices.size(-1), " elements (the shape of indices), got shape ",
+                  shape_string(score_grad));
+  if (!std::isfinite(grad_loss)) fail_argument("grad_loss: expected a finite number, got ", grad_loss);
+  detail::require_gradient_output(d_index_query, index_query, "d_index_query");
+  detail::require_gradient_output(d_index_key, index_key, "d_index_key");
+  detail::require_gradient_output(d_weights, weights, "d_weights");
+
+  SparseKlBackwardProblem p;
+  p.plan = plan_for(index_query, index_key, params, lead);
+  p.indices = indices.ptr<std::int32_t>();
+  p.index_row_stride = indices.stride(lead);
+  p.topk = indices.size(-1);
+  p.index_query = detail::head_matrix(index_query, lead, "index_query");
+  p.index_key = detail::head_matrix(index_key, lead, "index_key");
+  p.weights = detail::head_matrix(weights, lead, "weights");
+  p.weights.heads = weights.size(-1);
+  p.weights.head_stride = weights.stride(-1);
+  p.weights.dim = 1;
+  p.score_grad = score_grad.ptr<float>();
+  p.grad_loss = grad_loss;
+  p.index_scale = params.index_scale;
+  p.ratio = params.cmp_ratio;
+  p.num_threads = resolve_num_threads(params.num_threads);
+  p.key_rows = tnd ? index_key.size(0) : index_key.size(0) * index_key.size(1);
+  p.d_index_query = d_index_query.data;
+  p.d_index_key = d_index_key.data;
+  p.d_weights = d_weights.data;
+  if (backend == Backend::reference) reference::kl_loss_bwd(p);
+  else cpu::kl_loss_bwd(p);
+}
+
+}  // namespace dsa
