@@ -172,7 +172,7 @@ TEST_P(CompressorIsa, WideChannelsManyGroups) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, CompressorIsa,
-                         ::testing::Values(dsa::core::Isa::portable, dsa::core::Isa::avx512),
+                         ::testing::Values(dsa::core::Isa::portable, dsa::core::Isa::avx512, dsa::core::Isa::amx),
                          [](const auto& info) { return std::string(dsa::core::isa_name(info.param)); });
 
 TEST(Compressor, DeterministicAcrossThreadCounts) {

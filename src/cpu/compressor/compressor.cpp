@@ -1,7 +1,7 @@
 // Fused CPU KV compressor (spec/ops.md 4.5): one streaming pass per block.
 //
 // Work is split into tasks of (a group of consecutive compressed entries) x
-// (a chunk of output channels). The groups are cut from the flattened list of
+// (a chunk of output channels; today one chunk spans every channel). The groups are cut from the flattened list of
 // entries of all sequences with a fixed size (kGroupTokens raw tokens), never
 // from the thread count, and every output element is written by exactly one
 // task with the slots visited in a fixed order; the backward's position_bias
@@ -25,14 +25,18 @@ namespace {
 using namespace compressor_kernels;
 
 // Raw tokens per task group: large enough that the per-group bias partials
-// stay small next to the tensors, small enough to spread a 2k-token sequence
-// over the channel chunks of a few cores.
-constexpr std::int64_t kGroupTokens = 2048;
-constexpr std::int64_t kChannelChunk = 128;
+// stay small next to the tensors (m * C fp32 per group), small enough to give
+// a 16k-token call 16 tasks.
+constexpr std::int64_t kGroupTokens = 1024;
+// Output channels per task. Tasks cover whole rows: a task then streams
+// contiguous memory (what the hardware prefetchers follow) instead of a
+// strided column slice that another task re-walks later.
+constexpr std::int64_t kChannelChunk = std::int64_t{1} << 40;
 
 const PoolKernel& pick_kernel() {
   switch (core::cpu_isa()) {
     case core::Isa::amx:
+      return core::cpu_features().avx512bf16 ? avx512_bf16_kernel() : avx512_kernel();
     case core::Isa::avx512: return avx512_kernel();
     default: return portable_kernel();
   }
@@ -127,6 +131,9 @@ void compressor_fwd(const CompressorProblem& p) {
   if (t.entries.empty() || c == 0) return;
   const std::int64_t max_slots = (p.overlap ? 2 : 1) * p.ratio;
   std::vector<std::vector<SlotRef>> slot_buffers(p.num_threads, std::vector<SlotRef>(max_slots));
+  std::vector<AlignedFloats> scratch;
+  scratch.reserve(p.num_threads);  // no reallocation: `data` points into each element
+  for (int i = 0; i < p.num_threads; ++i) scratch.emplace_back(max_slots * kStripWidth);
   core::parallel_for(t.groups * t.chunks, p.num_threads, [&](std::int64_t task, int thread) {
     const std::int64_t group = task / t.chunks, chunk = task % t.chunks;
     const std::int64_t c0 = chunk * t.chunk_width, width = std::min(t.chunk_width, c - c0);
@@ -141,6 +148,7 @@ void compressor_fwd(const CompressorProblem& p) {
       args.slots = slots;
       args.width = width;
       args.out = at<void>(p.compressed, e.out_row * c + c0, es);
+      args.scratch = scratch[thread].data;
       kernel.forward(args);
     }
   });

@@ -32,7 +32,7 @@ struct PoolArgs {
   std::int64_t width;        // channels of this run
   void* out;                 // forward: compressed[entry] at the run's first channel
   const void* grad_out;      // backward: grad_compressed[entry] likewise
-  float* scratch;            // backward: slot_count * kStripWidth floats
+  float* scratch;            // slot_count * kStripWidth floats, 64-byte aligned
 };
 
 struct PoolKernel {
@@ -44,5 +44,6 @@ struct PoolKernel {
 
 const PoolKernel& portable_kernel();
 const PoolKernel& avx512_kernel();
+const PoolKernel& avx512_bf16_kernel();  // needs AVX512-BF16 (Sapphire Rapids class)
 
 }  // namespace dsa::cpu::compressor_kernels
