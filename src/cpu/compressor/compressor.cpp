@@ -133,7 +133,7 @@ void compressor_fwd(const CompressorProblem& p) {
   std::vector<std::vector<SlotRef>> slot_buffers(p.num_threads, std::vector<SlotRef>(max_slots));
   std::vector<AlignedFloats> scratch;
   scratch.reserve(p.num_threads);  // no reallocation: `data` points into each element
-  for (int i = 0; i < p.num_threads; ++i) scratch.emplace_back(max_slots * kStripWidth);
+  for (int i = 0; i < p.num_threads; ++i) scratch.emplace_back(scratch_floats(max_slots, t.chunk_width));
   core::parallel_for(t.groups * t.chunks, p.num_threads, [&](std::int64_t task, int thread) {
     const std::int64_t group = task / t.chunks, chunk = task % t.chunks;
     const std::int64_t c0 = chunk * t.chunk_width, width = std::min(t.chunk_width, c - c0);
@@ -177,7 +177,7 @@ void compressor_bwd(const CompressorProblem& p) {
   std::vector<std::vector<SlotRef>> slot_buffers(p.num_threads, std::vector<SlotRef>(max_slots));
   std::vector<AlignedFloats> scratch;
   scratch.reserve(p.num_threads);  // no reallocation: `data` points into each element
-  for (int i = 0; i < p.num_threads; ++i) scratch.emplace_back(max_slots * kStripWidth);
+  for (int i = 0; i < p.num_threads; ++i) scratch.emplace_back(scratch_floats(max_slots, t.chunk_width));
 
   core::parallel_for(t.groups * t.chunks, p.num_threads, [&](std::int64_t task, int thread) {
     const std::int64_t group = task / t.chunks, chunk = task % t.chunks;

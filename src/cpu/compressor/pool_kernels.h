@@ -2,10 +2,10 @@
 //
 // A call handles one compressed entry over a run of `width` output channels:
 // slot i contributes kv[i][ch] with logit gate[i][ch] + bias[i][ch]; every
-// pointer is already offset to the run's first channel. Channels are processed
-// in strips of kStripWidth, each in one pass over the slots for the maximum and
-// one for exp / sum / weighted sum (the strip's rows stay in L1/L2 between
-// passes), so every input byte comes from memory once. fp32 throughout.
+// pointer is already offset to the run's first channel. A pass for the
+// maximum, one for exp / sum / weighted sum (and in backward one for the
+// gradients), each walking the slot rows in order; the entry's rows stay in
+// L1/L2 between passes, so every input byte comes from memory once. fp32.
 #pragma once
 
 #include <cstdint>
@@ -14,7 +14,10 @@
 
 namespace dsa::cpu::compressor_kernels {
 
-inline constexpr std::int64_t kStripWidth = 64;
+// Floats of scratch a call needs (a logit row per slot plus a max row).
+inline std::int64_t scratch_floats(std::int64_t slot_count, std::int64_t width) {
+  return (slot_count + 1) * ((width + 15) / 16 * 16);
+}
 
 struct SlotRef {
   const void* kv;
@@ -32,7 +35,7 @@ struct PoolArgs {
   std::int64_t width;        // channels of this run
   void* out;                 // forward: compressed[entry] at the run's first channel
   const void* grad_out;      // backward: grad_compressed[entry] likewise
-  float* scratch;            // slot_count * kStripWidth floats, 64-byte aligned
+  float* scratch;            // scratch_floats(slot_count, width), 64-byte aligned
 };
 
 struct PoolKernel {
