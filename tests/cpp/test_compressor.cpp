@@ -149,6 +149,16 @@ TEST_P(CompressorIsa, NonOverlapRatio128) {
   expect_matches_reference(cs);
 }
 
+TEST_P(CompressorIsa, HugeRatioSplitsChannels) {
+  Case cs;
+  cs.ratio = 2048;  // scratch bound -> 64-channel chunks
+  cs.overlap = false;
+  cs.c = 200;
+  cs.lengths = {2047, 4100};
+  cs.dtype = DType::bf16;
+  expect_matches_reference(cs);
+}
+
 TEST_P(CompressorIsa, BsndPadding) {
   Case cs;
   cs.layout = dsa::Layout::BSND;

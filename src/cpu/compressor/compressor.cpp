@@ -32,10 +32,12 @@ using namespace compressor_kernels;
 // stay small next to the tensors (m * C fp32 per group), small enough to give
 // a 16k-token call 16 tasks.
 constexpr std::int64_t kGroupTokens = 1024;
-// Output channels per task. Tasks cover whole rows: a task then streams
-// contiguous memory (what the hardware prefetchers follow) instead of a
-// strided column slice that another task re-walks later.
-constexpr std::int64_t kChannelChunk = std::int64_t{1} << 40;
+// Output channels per task: whole rows, so a task streams contiguous memory
+// (what the hardware prefetchers follow) instead of a strided column slice
+// that another task re-walks later -- unless the per-thread logit scratch,
+// (slots + 1) * chunk floats, would pass kScratchFloats (very large ratios);
+// then chunks of a multiple of 64 channels keep it bounded.
+constexpr std::int64_t kScratchFloats = std::int64_t{256} << 10;  // 1 MiB
 
 const PoolKernel& pick_kernel() {
   switch (core::cpu_isa()) {
@@ -69,7 +71,9 @@ Tasks plan_tasks(const CompressorProblem& p) {
   t.group_size = std::max<std::int64_t>(1, kGroupTokens / p.ratio);
   const std::int64_t n = static_cast<std::int64_t>(t.entries.size());
   t.groups = (n + t.group_size - 1) / t.group_size;
-  t.chunk_width = std::min<std::int64_t>(kChannelChunk, std::max<std::int64_t>(p.channels, 1));
+  const std::int64_t slots = (p.overlap ? 2 : 1) * p.ratio;
+  const std::int64_t bounded = std::max<std::int64_t>(64, kScratchFloats / (slots + 1) / 64 * 64);
+  t.chunk_width = std::min<std::int64_t>(bounded, std::max<std::int64_t>(p.channels, 1));
   t.chunks = (p.channels + t.chunk_width - 1) / t.chunk_width;
   return t;
 }
