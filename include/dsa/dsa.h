@@ -2,6 +2,7 @@
 #pragma once
 
 #include "dsa/backend.h"
+#include "dsa/compressor.h"
 #include "dsa/error.h"
 #include "dsa/dense_indexer.h"
 #include "dsa/indexer.h"

@@ -63,4 +63,5 @@ NB_MODULE(_C, m) {
   dsa::python::register_core(m);
   dsa::python::register_indexer(m);
   dsa::python::register_kl_loss(m);
+  dsa::python::register_compressor(m);
 }

@@ -26,5 +26,6 @@ TensorView to_view(const std::optional<nb::ndarray<>>& array, const char* name);
 void register_core(nb::module_& m);
 void register_indexer(nb::module_& m);
 void register_kl_loss(nb::module_& m);
+void register_compressor(nb::module_& m);
 
 }  // namespace dsa::python

@@ -1,6 +1,7 @@
 """The public dsa_* operators. Each op lives in its own module; this lists them."""
+from .compressor import dsa_compressor
 from .dense_indexer import dsa_dense_indexer_kl_loss, dsa_dense_indexer_lse
 from .indexer import dsa_indexer
 from .kl_loss import dsa_kl_loss
 
-__all__ = ["dsa_indexer", "dsa_kl_loss", "dsa_dense_indexer_lse", "dsa_dense_indexer_kl_loss"]
+__all__ = ["dsa_compressor", "dsa_indexer", "dsa_kl_loss", "dsa_dense_indexer_lse", "dsa_dense_indexer_kl_loss"]

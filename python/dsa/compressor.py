@@ -1,0 +1,135 @@
+"""dsa_compressor: DeepSeek-V4's gated per-channel softmax pooling (spec/ops.md 4.5)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _C
+from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
+from .lengths import Lengths, as_length_tensor, to_cu_seqlens
+
+
+def _compressed_shape(kv: torch.Tensor, ratio: int, overlap: bool, compressed_rows: int, layout: str):
+    c = kv.shape[-1] // 2 if overlap else kv.shape[-1]
+    return (compressed_rows, c) if layout == "TND" else (kv.shape[0], kv.shape[1] // ratio, c)
+
+
+# The compressed length of TND depends on the length values, so the wrapper
+# computes it (`compressed_rows`) and the fake kernel reads the shape from it.
+@torch.library.custom_op("dsa::compressor", mutates_args=())
+def _compressor_op(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int,
+                   overlap: bool, query_lengths: Optional[torch.Tensor], compressed_rows: int,
+                   layout: str, backend: str) -> torch.Tensor:
+    out = torch.empty(_compressed_shape(kv, ratio, overlap, compressed_rows, layout),
+                      dtype=kv.dtype, device=kv.device)
+    _C.compressor_fwd(kv, gate, position_bias, out, ratio, overlap, to_cu_seqlens(query_lengths, layout),
+                      layout, backend, num_threads())
+    return out
+
+
+@_compressor_op.register_fake
+def _(kv, gate, position_bias, ratio, overlap, query_lengths, compressed_rows, layout, backend):
+    return kv.new_empty(_compressed_shape(kv, ratio, overlap, compressed_rows, layout))
+
+
+@torch.library.custom_op("dsa::compressor_backward", mutates_args=())
+def _compressor_backward_op(grad_compressed: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
+                            position_bias: torch.Tensor, ratio: int, overlap: bool,
+                            query_lengths: Optional[torch.Tensor], layout: str,
+                            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_kv = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    grad_gate = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    grad_bias = torch.empty(position_bias.shape, dtype=torch.float32, device=position_bias.device)
+    _C.compressor_bwd(grad_compressed, kv, gate, position_bias, grad_kv, grad_gate, grad_bias, ratio,
+                      overlap, to_cu_seqlens(query_lengths, layout), layout, backend, num_threads())
+    return grad_kv, grad_gate, grad_bias
+
+
+@_compressor_backward_op.register_fake
+def _(grad_compressed, kv, gate, position_bias, ratio, overlap, query_lengths, layout, backend):
+    return (kv.new_empty(kv.shape), kv.new_empty(kv.shape),
+            position_bias.new_empty(position_bias.shape, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    kv, gate, position_bias, ratio, overlap, query_lengths, _, layout, backend = inputs
+    ctx.save_for_backward(kv, gate, position_bias)
+    ctx.query_lengths = query_lengths
+    ctx.args = (ratio, overlap, layout, backend)
+
+
+def _backward(ctx, grad):
+    kv, gate, position_bias = ctx.saved_tensors
+    ratio, overlap, layout, backend = ctx.args
+    grad_kv, grad_gate, grad_bias = _compressor_backward_op(
+        grad.contiguous(), kv, gate, position_bias, ratio, overlap, ctx.query_lengths, layout, backend)
+    return grad_kv, grad_gate, grad_bias, None, None, None, None, None, None
+
+
+_compressor_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _raw_lengths(query_lengths: Lengths, layout: str, kv: torch.Tensor) -> list[int]:
+    """Per-sequence raw token counts, from the user's form (plain ints, no tensor op
+    when the lengths are a Python sequence, so torch.compile sees constants)."""
+    if query_lengths is None:
+        return [kv.shape[0]] if layout == "TND" else [kv.shape[1]] * kv.shape[0]
+    items = query_lengths.tolist() if isinstance(query_lengths, torch.Tensor) else list(query_lengths)
+    items = [int(v) for v in items]
+    if layout == "BSND":
+        return items
+    return [b - a for a, b in zip([0] + items[:-1], items)]
+
+
+def dsa_compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, *, ratio: int,
+                   overlap: Optional[bool] = None, query_lengths: Lengths = None, layout: str = "TND",
+                   backend: str = "auto"):
+    """DeepSeek-V4 KV compressor: gated, per-channel softmax pooling of blocks of
+    ``ratio`` tokens (before the compressor's RMSNorm and RoPE).
+
+    ``kv``, ``gate``: ``[S, coff*c]`` (TND) or ``[B, Sk, coff*c]`` (BSND), same
+    dtype; ``position_bias``: ``[ratio, coff*c]`` fp32; ``coff = 2`` with
+    ``overlap`` (default: ``ratio == 4``, CSA), else 1 (HCA). Per channel,
+    ``compressed[w] = sum_slots softmax(gate + bias) * kv`` over the block's
+    tokens, plus with overlap the previous block's tokens on channels ``[:c]``.
+    Each sequence yields ``L // ratio`` entries (tail tokens dropped, zero
+    gradient); a channel whose logits are all ``-inf`` gives 0.
+
+    Returns ``(compressed, compressed_lengths)``: ``compressed`` is ``[S_cmp, c]``
+    (TND) or ``[B, Sk // ratio, c]`` (BSND, rows past a row's count are 0);
+    ``compressed_lengths`` follow ``query_lengths``' convention (cumulative ends
+    for TND, per-row counts for BSND), as an int64 tensor on the lengths' device
+    when ``query_lengths`` is a tensor, else as a list of ints.
+    Differentiable in ``kv``, ``gate`` and ``position_bias``.
+    """
+    check_tensor(kv, "kv")
+    check_tensor(gate, "gate")
+    check_tensor(position_bias, "position_bias")
+    check_int(ratio, "ratio", 1)
+    if overlap is None:
+        overlap = ratio == 4
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap: expected True, False or None, got {overlap!r}")
+    check_layout(layout)
+    check_backend(backend)
+    lengths_tensor = as_length_tensor(query_lengths, "query_lengths")
+    expected_dims = 2 if layout == "TND" else 3
+    if kv.dim() != expected_dims:
+        shape = "[S, C]" if layout == "TND" else "[B, Sk, C]"
+        raise ValueError(f"kv: expected shape {shape}, got {list(kv.shape)}")
+    raw = _raw_lengths(query_lengths, layout, kv)
+    counts = [max(n, 0) // ratio for n in raw]
+    compressed_rows = sum(counts)
+    compressed = _compressor_op(kv, gate, position_bias, ratio, overlap, lengths_tensor,
+                                compressed_rows, layout, backend)
+    if layout == "TND":
+        out_lengths, total = [], 0
+        for n in counts:
+            total += n
+            out_lengths.append(total)
+    else:
+        out_lengths = counts
+    if isinstance(query_lengths, torch.Tensor):
+        out_lengths = torch.tensor(out_lengths, dtype=torch.int64, device=query_lengths.device)
+    return compressed, out_lengths

@@ -1,0 +1,52 @@
+// Pooling microkernels of the fused CPU compressor, one set per ISA.
+//
+// A call handles one compressed entry over a run of `width` output channels:
+// slot i contributes kv[i][ch] with logit gate[i][ch] + bias[i][ch]; every
+// pointer is already offset to the run's first channel. A pass for the
+// maximum, one for exp / sum / weighted sum (and in backward one for the
+// gradients), each walking the slot rows in order; the entry's rows stay in
+// L1/L2 between passes, so every input byte comes from memory once. fp32.
+#pragma once
+
+#include <cstdint>
+
+#include "dsa/tensor.h"
+
+namespace dsa::cpu::compressor_kernels {
+
+// Floats of scratch a call needs (a logit row per slot plus a max row).
+inline std::int64_t scratch_floats(std::int64_t slot_count, std::int64_t width) {
+  return (slot_count + 1) * ((width + 15) / 16 * 16);
+}
+
+struct SlotRef {
+  const void* kv;
+  const void* gate;
+  const float* bias;
+  void* grad_kv;       // backward only
+  void* grad_gate;     // backward only
+  float* bias_partial; // backward only: this task's running d bias row
+};
+
+struct PoolArgs {
+  DType dtype;
+  std::int64_t slot_count;
+  const SlotRef* slots;
+  std::int64_t width;        // channels of this run
+  void* out;                 // forward: compressed[entry] at the run's first channel
+  const void* grad_out;      // backward: grad_compressed[entry] likewise
+  float* scratch;            // scratch_floats(slot_count, width), 64-byte aligned
+};
+
+struct PoolKernel {
+  const char* name;
+  void (*forward)(const PoolArgs& args);
+  // Writes d kv and d gate of every slot and adds d logit into bias_partial.
+  void (*backward)(const PoolArgs& args);
+};
+
+const PoolKernel& portable_kernel();
+const PoolKernel& avx512_kernel();
+const PoolKernel& avx512_bf16_kernel();  // needs AVX512-BF16 (Sapphire Rapids class)
+
+}  // namespace dsa::cpu::compressor_kernels

@@ -1,0 +1,256 @@
+// Fused CPU compressor against the reference backend, every ISA path, both
+// layouts, determinism across thread counts, and bad inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/numeric.h"
+#include "dsa/compressor.h"
+#include "dsa/error.h"
+
+namespace {
+
+using dsa::DType;
+
+struct Buffer {
+  DType dtype;
+  std::vector<std::uint16_t> half;
+  std::vector<float> full;
+  Buffer(DType d, std::size_t n) : dtype(d) {
+    if (d == DType::f32) full.assign(n, 0.0f); else half.assign(n, 0);
+  }
+  void* data() { return dtype == DType::f32 ? static_cast<void*>(full.data()) : half.data(); }
+  std::size_t size() const { return dtype == DType::f32 ? full.size() : half.size(); }
+  float get(std::size_t i) const { return dsa::core::load_float(dtype == DType::f32 ? static_cast<const void*>(full.data()) : half.data(), dtype, i); }
+  void set(std::size_t i, float v) { dsa::core::store_float(data(), dtype, i, v); }
+};
+
+struct Case {
+  dsa::Layout layout = dsa::Layout::TND;
+  std::int64_t ratio = 4;
+  bool overlap = true;
+  std::int64_t c = 24;
+  std::vector<std::int64_t> lengths;  // per sequence (TND) / per row (BSND)
+  std::int64_t batch = 1, rows = 0;   // BSND: B, Sk
+  DType dtype = DType::f32;
+};
+
+struct Outputs {
+  Buffer compressed, grad_kv, grad_gate;
+  std::vector<float> grad_bias;
+};
+
+struct Problem {
+  Case k;
+  std::int64_t C, S, out_rows;
+  Buffer kv, gate, grad_out;
+  std::vector<float> bias;
+  dsa::CompressorParams params;
+
+  explicit Problem(const Case& cs, std::uint32_t seed = 7)
+      : k(cs), C((cs.overlap ? 2 : 1) * cs.c),
+        S(cs.layout == dsa::Layout::TND ? total(cs.lengths) : cs.batch * cs.rows),
+        out_rows(cs.layout == dsa::Layout::TND ? compressed_total(cs) : cs.batch * (cs.rows / cs.ratio)),
+        kv(cs.dtype, S * C), gate(cs.dtype, S * C), grad_out(cs.dtype, out_rows * cs.c),
+        bias(cs.ratio * C) {
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> n(0.0f, 1.0f);
+    for (std::size_t i = 0; i < kv.size(); ++i) kv.set(i, n(rng));
+    for (std::size_t i = 0; i < gate.size(); ++i) gate.set(i, 2.0f * n(rng));
+    for (std::size_t i = 0; i < grad_out.size(); ++i) grad_out.set(i, n(rng));
+    for (auto& b : bias) b = n(rng);
+    params.ratio = cs.ratio;
+    params.overlap = cs.overlap;
+    params.layout = cs.layout;
+    params.cu_seqlens = {0};
+    for (auto l : cs.lengths) params.cu_seqlens.push_back(params.cu_seqlens.back() + l);
+  }
+  static std::int64_t total(const std::vector<std::int64_t>& v) {
+    std::int64_t s = 0;
+    for (auto x : v) s += x;
+    return s;
+  }
+  static std::int64_t compressed_total(const Case& cs) {
+    std::int64_t s = 0;
+    for (auto x : cs.lengths) s += x / cs.ratio;
+    return s;
+  }
+  dsa::TensorView view2(Buffer& b, std::int64_t cols) {
+    return k.layout == dsa::Layout::TND
+               ? dsa::make_view(b.data(), b.dtype, {static_cast<std::int64_t>(b.size()) / cols, cols})
+               : dsa::make_view(b.data(), b.dtype, {k.batch, static_cast<std::int64_t>(b.size()) / cols / k.batch, cols});
+  }
+  Outputs run(dsa::Backend backend, int threads = 0) {
+    Outputs r{Buffer(k.dtype, out_rows * k.c), Buffer(k.dtype, S * C), Buffer(k.dtype, S * C),
+          std::vector<float>(bias.size(), 123.0f)};
+    for (std::size_t i = 0; i < r.compressed.size(); ++i) r.compressed.set(i, 99.0f);  // must be overwritten
+    for (std::size_t i = 0; i < r.grad_kv.size(); ++i) { r.grad_kv.set(i, 99.0f); r.grad_gate.set(i, 99.0f); }
+    dsa::CompressorParams p = params;
+    p.num_threads = threads;
+    auto pb = dsa::make_view(bias.data(), DType::f32, {k.ratio, C});
+    dsa::compressor_fwd(view2(kv, C), view2(gate, C), pb, p, view2(r.compressed, k.c), backend);
+    dsa::compressor_bwd(view2(grad_out, k.c), view2(kv, C), view2(gate, C), pb, p, view2(r.grad_kv, C),
+                        view2(r.grad_gate, C), dsa::make_view(r.grad_bias.data(), DType::f32, {k.ratio, C}),
+                        backend);
+    return r;
+  }
+};
+
+float tolerance(DType d) { return d == DType::f32 ? 2e-5f : d == DType::bf16 ? 2e-2f : 4e-3f; }
+
+void expect_close(const Buffer& a, const Buffer& b, float tol, const char* what) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const float x = a.get(i), y = b.get(i);
+    ASSERT_LE(std::fabs(x - y), tol * (1.0f + std::fabs(y))) << what << " at " << i << ": " << x << " vs " << y;
+  }
+}
+
+void expect_matches_reference(const Case& cs) {
+  Problem p(cs);
+  const Outputs ref = p.run(dsa::Backend::reference);
+  const Outputs fused = p.run(dsa::Backend::cpu);
+  const float tol = tolerance(cs.dtype);
+  expect_close(fused.compressed, ref.compressed, tol, "compressed");
+  expect_close(fused.grad_kv, ref.grad_kv, tol, "grad_kv");
+  expect_close(fused.grad_gate, ref.grad_gate, tol, "grad_gate");
+  for (std::size_t i = 0; i < ref.grad_bias.size(); ++i)
+    ASSERT_NEAR(fused.grad_bias[i], ref.grad_bias[i], 2e-4f * (1.0f + std::fabs(ref.grad_bias[i]))) << "grad_bias " << i;
+}
+
+class CompressorIsa : public ::testing::TestWithParam<dsa::core::Isa> {
+ protected:
+  void SetUp() override { dsa::core::limit_isa_for_testing(GetParam()); }
+  void TearDown() override { dsa::core::limit_isa_for_testing(dsa::core::Isa::amx); }
+};
+
+TEST_P(CompressorIsa, OverlapTndSeveralSequences) {
+  for (DType d : {DType::f32, DType::bf16, DType::f16}) {
+    Case cs;
+    cs.dtype = d;
+    cs.lengths = {0, 1, 3, 4, 7, 8, 9, 33, 65};
+    cs.c = 40;  // a full 16-lane vector plus a masked tail
+    expect_matches_reference(cs);
+  }
+}
+
+TEST_P(CompressorIsa, NonOverlapRatio128) {
+  Case cs;
+  cs.ratio = 128;
+  cs.overlap = false;
+  cs.c = 72;
+  cs.lengths = {127, 128, 300};
+  expect_matches_reference(cs);
+  cs.dtype = DType::bf16;
+  expect_matches_reference(cs);
+}
+
+TEST_P(CompressorIsa, HugeRatioSplitsChannels) {
+  Case cs;
+  cs.ratio = 2048;  // scratch bound -> 64-channel chunks
+  cs.overlap = false;
+  cs.c = 200;
+  cs.lengths = {2047, 4100};
+  cs.dtype = DType::bf16;
+  expect_matches_reference(cs);
+}
+
+TEST_P(CompressorIsa, BsndPadding) {
+  Case cs;
+  cs.layout = dsa::Layout::BSND;
+  cs.batch = 3;
+  cs.rows = 19;
+  cs.lengths = {19, 5, 2};
+  cs.c = 17;
+  expect_matches_reference(cs);
+  cs.overlap = false;
+  cs.ratio = 3;
+  expect_matches_reference(cs);
+}
+
+TEST_P(CompressorIsa, WideChannelsManyGroups) {
+  Case cs;
+  cs.ratio = 4;
+  cs.c = 300;  // several channel chunks and strips
+  cs.lengths = {4100, 37};
+  cs.dtype = DType::bf16;
+  expect_matches_reference(cs);
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, CompressorIsa,
+                         ::testing::Values(dsa::core::Isa::portable, dsa::core::Isa::avx512, dsa::core::Isa::amx),
+                         [](const auto& info) { return std::string(dsa::core::isa_name(info.param)); });
+
+TEST(Compressor, DeterministicAcrossThreadCounts) {
+  Case cs;
+  cs.c = 200;
+  cs.lengths = {5000, 3000};
+  cs.dtype = DType::bf16;
+  Problem p(cs);
+  const Outputs one = p.run(dsa::Backend::cpu, 1), three = p.run(dsa::Backend::cpu, 3);
+  EXPECT_EQ(one.compressed.half, three.compressed.half);
+  EXPECT_EQ(one.grad_kv.half, three.grad_kv.half);
+  EXPECT_EQ(one.grad_gate.half, three.grad_gate.half);
+  EXPECT_EQ(one.grad_bias, three.grad_bias);
+}
+
+TEST(Compressor, AllMinusInfChannelGivesZero) {
+  Case cs;
+  cs.ratio = 2;
+  cs.overlap = false;
+  cs.c = 20;
+  cs.lengths = {6};
+  Problem p(cs);
+  for (std::int64_t j = 0; j < 2; ++j) p.bias[j * 20 + 3] = -INFINITY;  // channel 3: no finite logit
+  for (dsa::Backend b : {dsa::Backend::reference, dsa::Backend::cpu}) {
+    const Outputs r = p.run(b);
+    for (std::int64_t w = 0; w < 3; ++w) {
+      EXPECT_EQ(r.compressed.get(w * 20 + 3), 0.0f);
+      EXPECT_TRUE(std::isfinite(r.compressed.get(w * 20 + 4)));
+    }
+    EXPECT_EQ(r.grad_bias[3], 0.0f);
+    EXPECT_EQ(r.grad_gate.get(3), 0.0f);
+  }
+}
+
+TEST(Compressor, BadInputsThrowAndWriteNothing) {
+  Case cs;
+  cs.lengths = {8, 8};
+  Problem p(cs);
+  Buffer out(DType::f32, 4 * cs.c);
+  for (std::size_t i = 0; i < out.size(); ++i) out.set(i, 5.0f);
+  auto pb = dsa::make_view(p.bias.data(), DType::f32, {4, p.C});
+  auto call = [&](dsa::CompressorParams params, dsa::TensorView bias) {
+    dsa::compressor_fwd(p.view2(p.kv, p.C), p.view2(p.gate, p.C), bias, params, p.view2(out, cs.c));
+  };
+  auto expect_error = [&](auto&& f, const char* needle) {
+    try {
+      f();
+      FAIL() << "expected an error mentioning " << needle;
+    } catch (const dsa::Error& e) {
+      EXPECT_EQ(e.kind(), dsa::ErrorKind::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  dsa::CompressorParams bad = p.params;
+  bad.ratio = 0;
+  expect_error([&] { call(bad, pb); }, "ratio");
+  expect_error([&] { call(p.params, dsa::make_view(p.bias.data(), DType::f32, {2, p.C * 2})); }, "position_bias");
+  bad = p.params;
+  bad.cu_seqlens = {0, 8, 15};
+  expect_error([&] { call(bad, pb); }, "query_lengths");
+  bad.cu_seqlens = {0, 9, 8, 16};
+  expect_error([&] { call(bad, pb); }, "query_lengths");
+  Buffer wrong(DType::f32, 3 * cs.c);
+  expect_error([&] {
+    dsa::compressor_fwd(p.view2(p.kv, p.C), p.view2(p.gate, p.C), pb, p.params, p.view2(wrong, cs.c));
+  }, "compressed");
+  for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out.get(i), 5.0f);
+  EXPECT_EQ(dsa::compressed_cu_seqlens({0, 3, 11, 20}, 4), (dsa::CuSeqlens{0, 0, 2, 4}));
+}
+
+}  // namespace
