@@ -40,6 +40,7 @@ struct ThreadScratch {
   std::vector<float> weights, tile;
   std::vector<std::int32_t> positions;
   std::vector<std::uint32_t> keys;
+  std::vector<std::uint32_t> boundary;  // radix-select scratch of one row
 };
 
 }  // namespace
@@ -78,6 +79,7 @@ void indexer_topk(const IndexerProblem& p) {
     s.tile.resize(kQueryBlock * kKeyTile);
     s.positions.resize(kQueryBlock * capacity);
     s.keys.resize(kQueryBlock * capacity);
+    s.boundary.resize(capacity);
   }
   auto aligned = [](std::vector<std::uint8_t>& v) {
     return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t(63));
@@ -119,13 +121,13 @@ void indexer_topk(const IndexerProblem& p) {
         const std::int64_t count = std::min(n, visible[t] - k0);
         if (count <= 0) continue;
         RowTopK& row = rows[t];
-        if (row.count + count > capacity) row.cut_to(p.topk);
+        if (row.count + count > capacity) row.cut_to(p.topk, s.boundary.data());
         row.push(append, s.tile.data() + t * kKeyTile, k0, count);
       }
     }
     for (std::int64_t t = 0; t < task.tokens; ++t) {
       RowTopK& row = rows[t];
-      row.cut_to(p.topk);
+      row.cut_to(p.topk, s.boundary.data());
       std::int32_t* out_idx = p.indices + (row0 + t) * p.topk;
       std::memcpy(out_idx, row.positions, row.count * sizeof(std::int32_t));
       std::fill(out_idx + row.count, out_idx + p.topk, -1);

@@ -36,8 +36,18 @@ alignas(64) const TileConfig kTileConfig{};
 
 void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 
+// Where the A tiles of a query block live: straight in the caller's tensor
+// when heads fill 16-row tiles, dims fill 32-wide chunks and rows sit on cache
+// lines, else in a zero-padded copy after this header.
+struct QueryTiles {
+  const std::uint16_t* base;
+  std::int64_t token_stride, head_stride;  // elements
+};
+constexpr std::size_t kQueryHeader = 64;
+
 std::size_t amx_packed_query_bytes(std::int64_t heads, std::int64_t dim) {
-  return static_cast<std::size_t>(kQueryBlock * round_up(heads, kTileRows) * round_up(dim, kChunk)) * 2;
+  return kQueryHeader +
+         static_cast<std::size_t>(kQueryBlock * round_up(heads, kTileRows) * round_up(dim, kChunk)) * 2;
 }
 
 std::size_t amx_key_scratch_bytes(std::int64_t dim) {
@@ -46,9 +56,19 @@ std::size_t amx_key_scratch_bytes(std::int64_t dim) {
 }
 
 void amx_pack_queries(const QueryBlockSource& src, void* packed) {
-  const std::int64_t hpad = round_up(src.heads, kTileRows), dpad = round_up(src.dim, kChunk);
-  auto* out = static_cast<std::uint16_t*>(packed);
+  auto* tiles = static_cast<QueryTiles*>(packed);
   const auto* q = static_cast<const std::uint16_t*>(src.query);
+  // Direct loads only when every tile row is a whole cache line: a row split
+  // across two lines doubles the load traffic and costs more than the copy.
+  const bool lines_aligned = reinterpret_cast<std::uintptr_t>(q) % 64 == 0 &&
+                             src.row_stride % kChunk == 0 && src.head_stride % kChunk == 0;
+  if (src.heads % kTileRows == 0 && src.dim % kChunk == 0 && lines_aligned) {
+    *tiles = {q, src.row_stride, src.head_stride};
+    return;
+  }
+  const std::int64_t hpad = round_up(src.heads, kTileRows), dpad = round_up(src.dim, kChunk);
+  auto* out = reinterpret_cast<std::uint16_t*>(static_cast<char*>(packed) + kQueryHeader);
+  *tiles = {out, hpad * dpad, dpad};
   for (std::int64_t t = 0; t < src.tokens; ++t)
     for (std::int64_t h = 0; h < hpad; ++h) {
       std::uint16_t* dst = out + (t * hpad + h) * dpad;
@@ -138,9 +158,9 @@ void amx_score_tile(const void* packed, const QueryBlockSource& shape, const flo
       (reinterpret_cast<std::uintptr_t>(vnni + chunks * kGroups * 256) + 63) & ~std::uintptr_t(63));
   pack_keys_vnni(keys, shape.dim, vnni);
   configure_tiles();
-  const auto* q = static_cast<const std::uint16_t*>(packed);
+  const QueryTiles tiles = *static_cast<const QueryTiles*>(packed);
   const __m512 zero = _mm512_setzero_ps();
-  const int q_stride = static_cast<int>(dpad * 2);
+  const int q_stride = static_cast<int>(tiles.head_stride * 2);
 
   // Per token: for each pair of 16-head groups, the 64 keys in two passes of
   // 32, so the pair's A tiles (from the L2-resident query block) are reused
@@ -151,8 +171,8 @@ void amx_score_tile(const void* packed, const QueryBlockSource& shape, const flo
     const float* w = weights + t * shape.heads;
     for (std::int64_t g = 0; g < groups; g += 2) {
       const bool pair = g + 1 < groups;
-      const std::uint16_t* a0 = q + (t * hpad + g * kTileRows) * dpad;
-      const std::uint16_t* a1 = a0 + kTileRows * dpad;
+      const std::uint16_t* a0 = tiles.base + t * tiles.token_stride + g * kTileRows * tiles.head_stride;
+      const std::uint16_t* a1 = a0 + kTileRows * tiles.head_stride;
       for (std::int64_t pass = 0; pass < kGroups / 2; ++pass) {
         _tile_zero(0);
         _tile_zero(1);

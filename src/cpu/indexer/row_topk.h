@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 
 namespace dsa::cpu::indexer_kernels {
 
@@ -73,19 +74,29 @@ struct RowTopK {
   }
 
   // Keeps exactly the k best candidates (ties: smaller position), in position order.
-  void cut_to(std::int64_t k) {
+  // `boundary` is scratch for up to `count` keys.
+  void cut_to(std::int64_t k, std::uint32_t* boundary) {
     if (count <= k) return;
-    // Radix select of the k-th largest key, 8 bits at a time, most significant first.
-    std::uint32_t prefix = 0, mask = 0;
-    std::int64_t need = k;  // how many candidates equal to the prefix so far are still wanted
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      std::int64_t histogram[256] = {};
-      for (std::int64_t i = 0; i < count; ++i)
-        if ((keys[i] & mask) == prefix) ++histogram[(keys[i] >> shift) & 0xff];
-      int bin = 255;
-      for (; bin > 0 && histogram[bin] < need; --bin) need -= histogram[bin];
-      prefix |= static_cast<std::uint32_t>(bin) << shift;
-      mask |= 0xffu << shift;
+    // Radix select of the k-th largest key: a 12-bit histogram of the top bits
+    // over all candidates, then the lower 20 bits only among the candidates
+    // of the bin that holds the k-th (usually a small fraction).
+    std::int64_t need = k;  // candidates still wanted among those matching the prefix
+    std::uint32_t histogram[4096] = {};
+    for (std::int64_t i = 0; i < count; ++i) ++histogram[keys[i] >> 20];
+    std::uint32_t top = 4095;
+    for (; top > 0 && histogram[top] < need; --top) need -= histogram[top];
+    std::int64_t n = 0;
+    for (std::int64_t i = 0; i < count; ++i)
+      if ((keys[i] >> 20) == top) boundary[n++] = keys[i];
+    std::uint32_t prefix = top << 20;
+    for (int shift : {10, 0}) {
+      std::uint32_t bins[1024] = {};
+      const std::uint32_t mask = ~((1u << (shift + 10)) - 1);
+      for (std::int64_t i = 0; i < n; ++i)
+        if ((boundary[i] & mask) == prefix) ++bins[(boundary[i] >> shift) & 1023];
+      std::uint32_t bin = 1023;
+      for (; bin > 0 && bins[bin] < need; --bin) need -= bins[bin];
+      prefix |= bin << shift;
     }
     // `prefix` is the k-th largest key; keep everything above it and the first
     // `need` candidates equal to it (the smallest positions).
