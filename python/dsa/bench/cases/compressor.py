@@ -56,7 +56,8 @@ def _case(tokens: int, c: int, ratio: int, overlap: bool, *, quick: bool = False
     return Case(
         name=f"compressor/{kind}-r{ratio}/bf16/S{tokens}/c{c}/fwd+bwd",
         setup=_setup(tokens, c, ratio, overlap, torch.bfloat16),
-        impls={FUSED: _forward_backward("auto"), NAIVE: _naive, REFERENCE: _forward_backward("reference")},
+        impls={FUSED: _forward_backward("auto"), NAIVE: _naive,
+               **({REFERENCE: _forward_backward("reference")} if with_reference else {})},
         bytes_moved=bytes_moved(tokens, c, ratio, overlap, 2),
         ceiling="copy_bw",
         quick=quick,

@@ -1,0 +1,1 @@
+"""dsa-bench: the benchmark harness (run ``python -m dsa.bench --help``)."""

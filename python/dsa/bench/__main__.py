@@ -1,0 +1,109 @@
+"""dsa-bench: times the fused ops against the naive PyTorch peer and the machine's ceilings.
+
+    python -m dsa.bench [--quick] [--filter SUBSTR] [--json PATH] [--no-memory] [--threads N]
+
+Discovers python/dsa/bench/cases/*.py (each defines ``CASES``), measures the
+machine ceilings (bf16/fp32 GEMM through torch.matmul, copy bandwidth) in the
+same process, then for each case and implementation: the median time after
+warm-up, TFLOP/s over valid work (GB/s for memory-bound cases), the fraction
+of the case's ceiling, the peak extra memory (fresh subprocess per case and
+implementation) and the ratios against the naive peer. See docs/benchmarks.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _load_avg() -> float:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="dsa-bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="only the quick cases (what `make run` runs)")
+    ap.add_argument("--filter", metavar="SUBSTR", help="only cases whose name contains SUBSTR")
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    ap.add_argument("--no-memory", action="store_true",
+                    help="skip the peak-memory subprocesses (faster)")
+    ap.add_argument("--threads", type=int, metavar="N",
+                    help="threads for torch and dsa (default: torch's default, all cores)")
+    ap.add_argument("--gemm-size", type=int, default=4096, metavar="N",
+                    help="side of the square GEMMs that measure the ceilings (default 4096)")
+    ap.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    args = ap.parse_args(argv)
+
+    if args.threads is not None:
+        if args.threads < 1:
+            ap.error(f"--threads: expected an integer >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+
+    from .machine import machine_info, measure_ceilings
+    from .report import format_table, header_lines, notes, write_json
+    from .runner import impls_of, load_cases, run_case, select_cases
+
+    cases = select_cases(load_cases(), args.quick, args.filter)
+    if args.list:
+        for c in cases:
+            print(f"{c.name}{'  (quick)' if c.quick else ''}: {', '.join(impls_of(c))}")
+        return 0
+    if not cases:
+        _log("dsa-bench: no case matches the selection")
+        return 2
+
+    start = time.perf_counter()
+    machine = machine_info(threads)
+    _log(f"dsa-bench: {len(cases)} case(s), {threads} thread(s); measuring ceilings ...")
+    ceilings = measure_ceilings(args.gemm_size)
+    results = []
+    for case in cases:
+        _log(f"dsa-bench: {case.name}")
+        results.extend(run_case(case, ceilings, threads, memory=not args.no_memory, log=_log))
+    # Ceilings again at the end: with other load on the machine the two differ, and
+    # the better of them is the fairer "what torch reaches here" (the lower % of ceiling).
+    _log("dsa-bench: measuring ceilings again ...")
+    ceilings_end = measure_ceilings(args.gemm_size)
+    ceilings_start = ceilings
+    ceilings = {k: max(ceilings_start[k], ceilings_end[k]) for k in ceilings_start}
+    for r in results:
+        if r.pct_of_ceiling is not None:
+            r.pct_of_ceiling *= ceilings_start[r.ceiling] / ceilings[r.ceiling]
+    machine["load_avg_1min_at_end"] = _load_avg()
+    elapsed = time.perf_counter() - start
+
+    case_notes = {c.name: c.note for c in cases}
+    print("\n".join(header_lines(machine, ceilings)))
+    print()
+    print(format_table(results))
+    extra = notes(results, case_notes)
+    if extra:
+        print()
+        print("\n".join("- " + n for n in extra))
+    print()
+    print(f"{len(cases)} case(s) in {elapsed:.0f} s"
+          + ("" if not args.no_memory else "; peak memory not measured (--no-memory)"))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        options = {"gemm_size": args.gemm_size, "ceilings_at_start": ceilings_start, "ceilings_at_end": ceilings_end,
+                   "quick": args.quick, "filter": args.filter, "memory": not args.no_memory,
+                   "threads": threads, "elapsed_s": round(elapsed, 1)}
+        write_json(args.json, machine, ceilings, results, case_notes, options)
+        _log(f"dsa-bench: wrote {args.json}")
+    failed = [r for r in results if r.error]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmark cases: each module defines ``CASES: list[Case]`` (see dsa/bench/case.py)."""

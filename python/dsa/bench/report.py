@@ -1,0 +1,96 @@
+"""The benchmark table (stdout) and JSON file."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from typing import Optional
+
+from .runner import Result, finite
+
+COLUMNS = ("case", "impl", "median ms", "throughput", "% of ceiling", "peak extra MiB",
+           "speed-up vs naive", "memory vs naive")
+
+CEILING_LABEL = {"bf16_gemm": "bf16 GEMM", "fp32_gemm": "fp32 GEMM", "copy_bw": "copy BW"}
+
+
+def _num(x: Optional[float], fmt: str, suffix: str = "") -> str:
+    return (format(x, fmt) + suffix) if finite(x) else "-"
+
+
+def _ms(x: Optional[float]) -> str:
+    if not finite(x):
+        return "-"
+    return f"{x:.3g}" if x < 10 else f"{x:.1f}"
+
+
+def header_lines(machine: dict, ceilings: dict) -> list[str]:
+    return [
+        f"machine: {machine['cpu']}, {machine['threads']} of {machine['logical_cpus']} "
+        f"logical CPUs used, ISA {machine['isa']}, torch {machine['torch']}, "
+        f"load avg {machine['load_avg_1min_at_start']} at start, "
+        f"{machine.get('load_avg_1min_at_end', '?')} at end",
+        f"ceilings (torch, same run, best of start/end): bf16 GEMM {ceilings['bf16_gemm'] / 1e12:.2f} TFLOP/s, "
+        f"fp32 GEMM {ceilings['fp32_gemm'] / 1e12:.3f} TFLOP/s, "
+        f"copy {ceilings['copy_bw'] / 1e9:.1f} GB/s (read + write)",
+    ]
+
+
+def rows(results: list[Result]) -> list[tuple[str, ...]]:
+    out = []
+    for r in results:
+        if r.skipped or r.error:
+            why = f"skipped: {r.skipped}" if r.skipped else f"failed: {r.error}"
+            out.append((r.case, r.impl, why))
+            continue
+        if finite(r.tflops):
+            thr = f"{r.tflops:.3g} TFLOP/s"
+        elif finite(r.gbps):
+            thr = f"{r.gbps:.3g} GB/s"
+        else:
+            thr = "-"
+        pct = (f"{r.pct_of_ceiling:.1f}% {CEILING_LABEL.get(r.ceiling, r.ceiling)}"
+               if finite(r.pct_of_ceiling) else "-")
+        mem = "error" if r.memory_error is not None else (
+            _num(r.peak_extra_mib, ".2f" if finite(r.peak_extra_mib) and r.peak_extra_mib < 10 else ".1f"))
+        out.append((r.case, r.impl, _ms(r.median_ms), thr, pct, mem,
+                    _num(r.speedup_vs_naive, ".2f", "x"), _num(r.memory_vs_naive, ".3g", "x")))
+    return out
+
+
+def format_table(results: list[Result]) -> str:
+    body = rows(results)
+    full = [r for r in body if len(r) == len(COLUMNS)]
+    widths = [max([len(COLUMNS[i])] + [len(r[i]) for r in full]) for i in range(len(COLUMNS))]
+    for r in body:  # the case and impl columns also fit the skipped rows
+        if len(r) != len(COLUMNS):
+            widths[0], widths[1] = max(widths[0], len(r[0])), max(widths[1], len(r[1]))
+
+    def line(cells):
+        return "| " + " | ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    text = [line(COLUMNS), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    for r in body:
+        if len(r) == len(COLUMNS):
+            text.append(line(r))
+        else:
+            rest = sum(widths[2:]) + 3 * (len(widths) - 3)
+            text.append(f"| {r[0].ljust(widths[0])} | {r[1].ljust(widths[1])} | {r[2][:rest].ljust(rest)} |")
+    return "\n".join(text)
+
+
+def notes(results: list[Result], case_notes: dict[str, str]) -> list[str]:
+    out = [f"{name}: {note}" for name, note in case_notes.items() if note]
+    for r in results:
+        if r.memory_error:
+            out.append(f"{r.case} [{r.impl}]: memory measurement failed: {r.memory_error}")
+    return out
+
+
+def write_json(path: str, machine: dict, ceilings: dict, results: list[Result],
+               case_notes: dict[str, str], options: dict) -> None:
+    doc = {"machine": machine, "ceilings": ceilings, "options": options,
+           "notes": case_notes, "results": [asdict(r) for r in results]}
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+        f.write("\n")
