@@ -20,6 +20,11 @@
 // into fixed blocks of kBwdRows rows (independent of the thread count), each
 // block scatters into its own fp32 partial over the keys, and the partials are
 // added to the result in block order. At most `threads` partials live at once.
+// gcc 12 reports the intrinsics' own _mm512_undefined_* placeholders as
+// "maybe uninitialized" once they are inlined here; the warning is spurious.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <algorithm>
