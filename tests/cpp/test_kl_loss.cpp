@@ -75,7 +75,14 @@ struct SparseCase {
   std::vector<std::int32_t> idx;
   std::vector<float> sinks;
 
-  SparseCase(DType dt, std::uint32_t seed, std::int64_t cmp_ratio = 1) : dtype(dt), ratio(cmp_ratio) {
+  SparseCase(DType dt, std::uint32_t seed, std::int64_t cmp_ratio = 1, bool wide = false) : dtype(dt), ratio(cmp_ratio) {
+    if (wide) {
+      // Shapes the AMX tile kernels take (heads multiples of 16 / 32, dims of 32),
+      // more entries than one 32-entry block and more rows than one dK row block.
+      T = 70, S = 90, H = 16, D = 64, Hi = 32, Di = 32, K = 45;
+      cu_q = {0, 30, 70};
+      cu_k = {0, 40, 90};
+    }
     std::mt19937 rng(seed);
     const std::int64_t rows = ratio > 1 ? (9 / ratio + 12 / ratio) : S;
     q = random_buffer({T, H, D}, dtype, rng);
@@ -85,12 +92,17 @@ struct SparseCase {
     w = random_buffer({T, Hi}, dtype, rng, -0.5f, 1.0f);
     mx = zeros({T, H}, DType::f32);
     sm = zeros({T, H}, DType::f32);
-    std::uniform_int_distribution<int> pick(-2, ratio > 1 ? 3 : 12);
+    std::uniform_int_distribution<int> pick(-2, ratio > 1 ? 3 : (wide ? 50 : 12));
     idx.resize(T * K);
     for (auto& v : idx) v = pick(rng);
     idx[3] = idx[4];  // a duplicate
     for (std::int64_t k = 0; k < K; ++k) idx[2 * K + k] = -1;  // an empty row
-    sinks = {0.5f, -INFINITY, 2.0f};
+    sinks.assign(H, 1.0f);
+    sinks[0] = 0.5f, sinks[1] = -INFINITY, sinks[2] = 2.0f;
+    if (wide) {
+      for (std::int64_t h = 0; h < H; ++h) sinks[h] = 0.25f * static_cast<float>(h % 5) - 0.5f;
+      sinks[3] = -INFINITY;
+    }
     // Stats: softmax over all visible keys (a dense attention), which covers more than the selection.
     for (std::int64_t b = 0; b < 2; ++b) {
       const std::int64_t lq = cu_q[b + 1] - cu_q[b], lk = cu_k[b + 1] - cu_k[b];
@@ -111,6 +123,12 @@ struct SparseCase {
           sm.f32[row * H + h] = static_cast<float>(z);
         }
       }
+    }
+    if (wide) {
+      // Heads whose forward statistics say empty contribute nothing to the teacher.
+      mx.f32[9 * H + 4] = -INFINITY;
+      sm.f32[9 * H + 4] = 0.0f;
+      sm.f32[10 * H + 5] = 0.0f;
     }
   }
 
@@ -189,6 +207,40 @@ TEST_P(KlIsa, SparseDeterministicAcrossThreads) {
   expect_identical(one.dq, two.dq, "dq");
   expect_identical(one.dk, two.dk, "dk");
   expect_identical(one.dw, two.dw, "dw");
+}
+
+// bf16 shapes the AMX kernels take (on AMX machines they run; elsewhere the
+// generic kernels do): against the reference, and bit-identical for 1, 2 and 3
+// threads (several dK row blocks, so several waves of partials).
+TEST(KlLossTiles, SparseBf16MatchesReference) {
+  for (bool with_sinks : {false, true}) {
+    SparseCase c(DType::bf16, 21, 1, true);
+    const SparseResult ref = run_sparse(c, Backend::reference, 1, with_sinks);
+    const SparseResult cpu = run_sparse(c, Backend::cpu, 2, with_sinks);
+    EXPECT_GT(ref.loss, 0.0f);
+    EXPECT_NEAR(cpu.loss, ref.loss, 2e-3 * std::abs(ref.loss) + 1e-6);
+    float grad_scale = 1e-6f;
+    for (float v : ref.score_grad) grad_scale = std::max(grad_scale, std::abs(v));
+    for (std::size_t i = 0; i < ref.score_grad.size(); ++i)
+      ASSERT_NEAR(cpu.score_grad[i], ref.score_grad[i], 2e-3 * grad_scale) << i;
+    // bf16 outputs and bf16 gradient coefficients in the tile products: a few bf16 ulps.
+    expect_close(cpu.dq, ref.dq, 2e-2, "d_index_query");
+    expect_close(cpu.dk, ref.dk, 2e-2, "d_index_key");
+    expect_close(cpu.dw, ref.dw, 2e-2, "d_weights");
+  }
+}
+
+TEST(KlLossTiles, SparseBf16DeterministicAcrossThreads) {
+  SparseCase c(DType::bf16, 23, 1, true);
+  const SparseResult one = run_sparse(c, Backend::cpu, 1, true);
+  for (int threads : {2, 3}) {
+    const SparseResult other = run_sparse(c, Backend::cpu, threads, true);
+    EXPECT_EQ(one.loss, other.loss);
+    EXPECT_EQ(one.score_grad, other.score_grad);
+    expect_identical(one.dq, other.dq, "dq");
+    expect_identical(one.dk, other.dk, "dk");
+    expect_identical(one.dw, other.dw, "dw");
+  }
 }
 
 // Dense warm-up: MHA or MQA main attention with rope, prefix KV in the second sequence.

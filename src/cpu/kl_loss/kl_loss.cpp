@@ -8,6 +8,7 @@
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/indexer/score_kernels.h"
+#include "cpu/kl_loss/kl_amx.h"
 #include "cpu/kl_loss/kl_kernels.h"
 
 namespace dsa::cpu {
@@ -34,8 +35,16 @@ const indexer_kernels::ScoreKernel& pick_score_kernel(DType dtype) {
 
 }  // namespace
 
-void kl_loss_fwd(const SparseKlProblem& p) { pick().sparse_fwd(p); }
-void kl_loss_bwd(const SparseKlBackwardProblem& p) { pick().sparse_bwd(p); }
+// bf16 on AMX machines: the tile kernels (kl_amx.cpp); otherwise the generic ones.
+void kl_loss_fwd(const SparseKlProblem& p) {
+  if (core::cpu_isa() == core::Isa::amx && kl_kernels::amx_sparse_supported(p)) return kl_kernels::amx_sparse_fwd(p);
+  pick().sparse_fwd(p);
+}
+void kl_loss_bwd(const SparseKlBackwardProblem& p) {
+  if (core::cpu_isa() == core::Isa::amx && kl_kernels::amx_sparse_bwd_supported(p))
+    return kl_kernels::amx_sparse_bwd(p);
+  pick().sparse_bwd(p);
+}
 void dense_indexer_kl_loss_fwd(const DenseKlProblem& p) { pick().dense_fwd(p); }
 void dense_indexer_kl_loss_bwd(const DenseKlProblem& p) { pick().dense_bwd(p); }
 
