@@ -25,7 +25,7 @@ run: build
 bench: build
 	$(PYENV) $(PY) -m dsa.bench --json $(BUILD)/bench.json
 
-test: build test-cpp test-python test-install
+test: build test-cpp test-python test-install test-sanitize
 
 test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
@@ -38,7 +38,7 @@ test-install: setup
 	bash tools/test_install.sh
 
 test-sanitize: setup
-	cmake -S . -B $(BUILD)-sanitize -G Ninja -DCMAKE_BUILD_TYPE=Debug -DDSA_BUILD_TESTS=ON -DDSA_SANITIZE=ON
+	cmake -S . -B $(BUILD)-sanitize -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSA_BUILD_TESTS=ON -DDSA_SANITIZE=ON
 	cmake --build $(BUILD)-sanitize -j $(JOBS)
 	cd $(BUILD)-sanitize && ctest --output-on-failure -j $(JOBS)
 
