@@ -5,4 +5,5 @@
 #include "dsa/error.h"
 #include "dsa/indexer.h"
 #include "dsa/layout.h"
+#include "dsa/sparse_attention.h"
 #include "dsa/tensor.h"
