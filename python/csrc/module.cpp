@@ -62,4 +62,5 @@ NB_MODULE(_C, m) {
   m.doc() = "dsa C++ core bindings (internal; use the dsa package)";
   dsa::python::register_core(m);
   dsa::python::register_indexer(m);
+  dsa::python::register_sparse_attention(m);
 }

@@ -25,5 +25,6 @@ TensorView to_view(const std::optional<nb::ndarray<>>& array, const char* name);
 // Registers one op family's functions; each lives in its own file.
 void register_core(nb::module_& m);
 void register_indexer(nb::module_& m);
+void register_sparse_attention(nb::module_& m);
 
 }  // namespace dsa::python

@@ -322,6 +322,18 @@ TEST_P(SparseAttentionModes, WindowCompressedIndices) {
   check_config(c, 6);
 }
 
+TEST_P(SparseAttentionModes, CompressedIndicesMoreThanEntries) {
+  // More cmp_indices than compressed entries: duplicates must still all count.
+  Config c = tnd({9, 2}, {9, 6});
+  c.dtype = dtype();
+  c.heads = 2;
+  c.dim = 16;
+  c.window = 3;
+  c.ratio = 4;
+  c.cmp_topk = 13;
+  check_config(c, 12);
+}
+
 TEST_P(SparseAttentionModes, BsndPaddedIndices) {
   Config c;
   c.layout = Layout::BSND;

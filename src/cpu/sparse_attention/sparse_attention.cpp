@@ -76,7 +76,7 @@ std::int64_t max_attended(const SparseAttentionProblem& p) {
     max_c = std::max(max_c, s.c_len);
   }
   std::int64_t raw = p.indices ? p.topk : (p.window > 0 ? std::min(p.window, max_k) : max_k);
-  std::int64_t cmp = p.cmp_kv ? (p.cmp_indices ? std::min(p.cmp_topk, max_c) : max_c) : 0;
+  std::int64_t cmp = p.cmp_kv ? (p.cmp_indices ? p.cmp_topk : max_c) : 0;  // duplicates count
   return raw + cmp;
 }
 
