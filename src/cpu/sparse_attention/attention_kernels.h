@@ -52,6 +52,9 @@ struct RowBackward {
   const float* max;    // [heads]
   const float* coef;   // [heads]
   const float* delta;  // [heads]
+  // Kernel-private per-row state that the dq pass writes and the dkv pass reads
+  // (packed_row_bytes() per row; null when the kernel needs none).
+  void* packed;
 };
 
 // One token's entries inside an owned key block (offsets into the block,
@@ -66,6 +69,8 @@ struct TokenEntries {
 struct AttentionKernel {
   const char* name;
   std::size_t (*scratch_bytes)(const Shape& shape);
+  // Bytes of per-row state the backward keeps between its two passes (0: none).
+  std::size_t (*packed_row_bytes)(const Shape& shape);
   // Forward of one query row over `keys` (all of its attended set, in order).
   // Writes out [heads][d_v] (storage dtype), max/sum [heads] (without sinks).
   void (*forward_row)(const Shape& shape, const float* sinks, const QueryRow& query,

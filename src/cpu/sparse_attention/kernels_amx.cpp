@@ -1,5 +1,5 @@
-// AMX-BF16 attention kernels (bf16 inputs): the forward row kernel runs both
-// GEMMs on tiles; the backward passes use the avx512 fp32 kernels.
+// AMX-BF16 attention kernels (bf16 inputs): every GEMM of the forward and of
+// both backward passes runs on tiles; softmax and its gradient in fp32 AVX-512.
 //
 // Forward, per query row (all heads of one token), per block of kBlock keys:
 //   1. gather the keys' rows into a contiguous bf16 block Kb [kBlock][Dp]
@@ -92,9 +92,9 @@ Buffers carve(void* scratch, const Dims& d) {
   return b;
 }
 
-std::size_t amx_scratch_bytes(const Shape& s) {
-  return std::max(forward_bytes(Dims(s)), avx512_kernel().scratch_bytes(s));
-}
+std::size_t row_scratch_bytes(const struct BackwardDims& d);
+std::size_t block_scratch_bytes(const struct BackwardDims& d);
+std::size_t amx_scratch_bytes(const Shape& s);
 
 // exp for the softmax; inputs are <= kLazy above the reference max.
 inline __m512 exp512(__m512 x) {
@@ -156,8 +156,13 @@ void pack_query(const Shape& s, const Dims& d, const QueryRow& q, std::uint16_t*
 }
 
 // Gathers up to kBlock keys into Kb and their values into the VNNI layout Vv.
+void interleave_rows(const std::uint16_t* a, const std::uint16_t* b, std::int64_t cols, std::int64_t cols_pad,
+                     std::uint16_t* out);
+
+// Gathers up to kBlock keys into Kb and the first `vcols` dims of each pair of
+// keys into the VNNI pair layout Vv [kBlock / 2][vpad][2].
 void gather_block(const Shape& s, const Dims& d, const KeyRows& keys, std::int64_t first, std::int64_t n,
-                  std::uint16_t* kb, std::uint16_t* vv) {
+                  std::uint16_t* kb, std::uint16_t* vv, std::int64_t vcols, std::int64_t vpad) {
   for (std::int64_t k = 0; k < kBlock; ++k) {
     std::uint16_t* row = kb + k * d.dp;
     if (k < n) {
@@ -168,30 +173,33 @@ void gather_block(const Shape& s, const Dims& d, const KeyRows& keys, std::int64
       std::memset(row, 0, d.dp * 2);
     }
   }
-  // Vv[pair][col][2] = (Kb[2 pair][col], Kb[2 pair + 1][col]).
+  const std::int64_t pairs = (n + 1) / 2;
+  for (std::int64_t pr = 0; pr < kBlock / 2; ++pr) {
+    std::uint16_t* out = vv + pr * vpad * 2;
+    if (pr >= pairs) {
+      std::memset(out, 0, vpad * 4);
+      continue;
+    }
+    interleave_rows(kb + 2 * pr * d.dp, kb + (2 * pr + 1) * d.dp, vcols, vpad, out);
+  }
+}
+
+// out[2c] = a[c], out[2c + 1] = b[c] for c < cols, zeros up to cols_pad.
+void interleave_rows(const std::uint16_t* a, const std::uint16_t* b, std::int64_t cols, std::int64_t cols_pad,
+                     std::uint16_t* out) {
   const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                           37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi_idx = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54,
                                           22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
-  const std::int64_t pairs = (n + 1) / 2;
-  for (std::int64_t pr = 0; pr < kBlock / 2; ++pr) {
-    std::uint16_t* out = vv + pr * d.dvp * 2;
-    if (pr >= pairs) {
-      std::memset(out, 0, d.dvp * 4);
-      continue;
-    }
-    const std::uint16_t* a = kb + 2 * pr * d.dp;
-    const std::uint16_t* b = a + d.dp;
-    std::int64_t c = 0;
-    for (; c + 32 <= s.d_v; c += 32) {
-      const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
-      _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(va, lo_idx, vb));
-      _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(va, hi_idx, vb));
-    }
-    for (; c < d.dvp; ++c) {
-      out[2 * c] = c < s.d_v ? a[c] : 0;
-      out[2 * c + 1] = c < s.d_v ? b[c] : 0;
-    }
+  std::int64_t c = 0;
+  for (; c + 32 <= cols; c += 32) {
+    const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
+    _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(va, lo_idx, vb));
+    _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(va, hi_idx, vb));
+  }
+  for (; c < cols_pad; ++c) {
+    out[2 * c] = c < cols ? a[c] : 0;
+    out[2 * c + 1] = c < cols ? b[c] : 0;
   }
 }
 
@@ -213,7 +221,7 @@ void amx_forward_row(const Shape& s, const float* sinks, const QueryRow& query, 
 
   for (std::int64_t first = 0; first < keys.count; first += kBlock) {
     const std::int64_t n = std::min(kBlock, keys.count - first);
-    gather_block(s, d, keys, first, n, b.kb, b.vv);
+    gather_block(s, d, keys, first, n, b.kb, b.vv, s.d_v, d.dvp);
     const std::int64_t key_tiles = (n + 15) / 16;
 
     // S^T = Kb . Q^T, 2 key tiles x 2 head groups of C at a time.
@@ -355,11 +363,345 @@ void amx_forward_row(const Shape& s, const float* sinks, const QueryRow& query, 
   }
 }
 
+// ---------------------------------------------------------------------------
+// Backward on tiles.
+//
+// C [m_tiles * 16][n_groups * 16] (+)= A . B with the contraction in chunks of
+// 32 bf16 (VNNI pairs). A tile (mt, kc) at a + mt*16*a_stride + kc*32 (row
+// stride a_stride elements); B tile (kc, ng) at b + kc*b_chunk + ng*b_group
+// (row stride b_stride elements); C tile (mt, ng) at c + mt*16*c_stride + ng*16.
+void tile_gemm(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m_tiles, std::int64_t n_groups,
+               const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
+               std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks) {
+  const int cs = static_cast<int>(c_stride * 4), as = static_cast<int>(a_stride * 2), bs = static_cast<int>(b_stride * 2);
+  for (std::int64_t mt = 0; mt < m_tiles; mt += 2) {
+    const bool two_m = mt + 1 < m_tiles;
+    for (std::int64_t ng = 0; ng < n_groups; ng += 2) {
+      const bool two_n = ng + 1 < n_groups;
+      float* c00 = c + mt * 16 * c_stride + ng * 16;
+      float* c10 = c00 + 16 * c_stride;
+      if (accumulate) {
+        _tile_loadd(0, c00, cs);
+        if (two_n) _tile_loadd(1, c00 + 16, cs);
+        if (two_m) _tile_loadd(2, c10, cs);
+        if (two_m && two_n) _tile_loadd(3, c10 + 16, cs);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (std::int64_t kc = 0; kc < k_chunks; ++kc) {
+        _tile_loadd(4, a + mt * 16 * a_stride + kc * 32, as);
+        _tile_loadd(6, b + kc * b_chunk + ng * b_group, bs);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_n) {
+          _tile_loadd(7, b + kc * b_chunk + (ng + 1) * b_group, bs);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_m) {
+          _tile_loadd(5, a + (mt + 1) * 16 * a_stride + kc * 32, as);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two_n) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, c00, cs);
+      if (two_n) _tile_stored(1, c00 + 16, cs);
+      if (two_m) _tile_stored(2, c10, cs);
+      if (two_m && two_n) _tile_stored(3, c10 + 16, cs);
+    }
+  }
+}
+
+// Per-row operands packed by the dq pass and reused by the dkv pass:
+//   qb1 [dp/32][hp/16][16][16][2]   query, pairs of dims x heads   (B of K.Q^T)
+//   db1 [dvq/32][hp/16][16][16][2]  grad_out, pairs of dims x heads (B of V.dO^T)
+//   qb2 [hq/2][dp][2]               query, pairs of heads x dims   (B of dS^T.Q)
+//   db2 [hq/2][dvp][2]              grad_out, pairs of heads x dims (B of P^T.dO)
+struct BackwardDims : Dims {
+  std::int64_t hq, dvq;
+  explicit BackwardDims(const Shape& s) : Dims(s), hq(round_up(s.heads, 32)), dvq(round_up(s.d_v, 32)) {}
+  std::size_t qb1() const { return dp * hp * 2; }
+  std::size_t db1() const { return dvq * hp * 2; }
+  std::size_t qb2() const { return hq * dp * 2; }
+  std::size_t db2() const { return hq * dvp * 2; }
+  std::size_t packed() const { return round_up(qb1() + db1() + qb2() + db2(), 64); }
+};
+
+struct PackedRow {
+  std::uint16_t *qb1, *db1, *qb2, *db2;
+  PackedRow(void* base, const BackwardDims& d) {
+    auto* p = static_cast<std::uint16_t*>(base);
+    qb1 = p;
+    db1 = qb1 + d.qb1() / 2;
+    qb2 = db1 + d.db1() / 2;
+    db2 = qb2 + d.qb2() / 2;
+  }
+};
+
+std::size_t amx_packed_row_bytes(const Shape& s) { return BackwardDims(s).packed(); }
+
+// rows [hq][cols_pad] (heads x dims) -> [cols_pad/32][hp/16][16 pairs][16 heads][2].
+void pack_dim_pairs(const std::uint16_t* rows, std::int64_t cols_pad, const BackwardDims& d, std::uint16_t* out) {
+  for (std::int64_t h = 0; h < d.hp; ++h) {
+    const std::int64_t g = h / 16, col = h % 16;
+    const std::uint16_t* src = rows + h * cols_pad;
+    for (std::int64_t k = 0; k < cols_pad; k += 2) {
+      const std::int64_t c = k / 32, r = (k % 32) / 2;
+      std::uint32_t pair;
+      std::memcpy(&pair, src + k, 4);
+      std::memcpy(out + (((c * d.groups + g) * 16 + r) * 16 + col) * 2, &pair, 4);
+    }
+  }
+}
+
+struct RowScratch {
+  std::uint16_t* qrow;  // [hq][dp]
+  std::uint16_t* drow;  // [hq][dvq]
+  std::uint16_t* kb;    // [kBlock][dp]
+  std::uint16_t* kv;    // [kBlock / 2][dp][2]
+  float* s;             // [kBlock][hp]
+  float* dpb;           // [kBlock][hp]
+  std::uint16_t* dsa;   // [hp][kBlock]
+  float* dq;            // [hp][dp]
+  float *mx, *cf, *dl;  // [hp]
+};
+
+std::size_t row_scratch_bytes(const BackwardDims& d) {
+  return static_cast<std::size_t>(d.hq * d.dp * 2 + d.hq * d.dvq * 2 + kBlock * d.dp * 2 + kBlock * d.dp * 2 +
+                                  2 * kBlock * d.hp * 4 + d.hp * kBlock * 2 + d.hp * d.dp * 4 + 3 * d.hp * 4) +
+         12 * 64;
+}
+
+template <class T>
+T* take(char*& p, std::size_t bytes) {
+  char* at = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(p) + 63) & ~std::uintptr_t(63));
+  p = at + bytes;
+  return reinterpret_cast<T*>(at);
+}
+
+RowScratch carve_row(void* scratch, const BackwardDims& d) {
+  char* p = static_cast<char*>(scratch);
+  RowScratch r;
+  r.qrow = take<std::uint16_t>(p, d.hq * d.dp * 2);
+  r.drow = take<std::uint16_t>(p, d.hq * d.dvq * 2);
+  r.kb = take<std::uint16_t>(p, kBlock * d.dp * 2);
+  r.kv = take<std::uint16_t>(p, kBlock * d.dp * 2);
+  r.s = take<float>(p, kBlock * d.hp * 4);
+  r.dpb = take<float>(p, kBlock * d.hp * 4);
+  r.dsa = take<std::uint16_t>(p, d.hp * kBlock * 2);
+  r.dq = take<float>(p, d.hp * d.dp * 4);
+  r.mx = take<float>(p, d.hp * 4);
+  r.cf = take<float>(p, d.hp * 4);
+  r.dl = take<float>(p, d.hp * 4);
+  return r;
+}
+
+// Softmax constants padded to hp heads: padded heads behave as empty (p = 0).
+void load_constants(const Shape& s, const Dims& d, const RowBackward& row, float* mx, float* cf, float* dl) {
+  for (std::int64_t h = 0; h < d.hp; ++h) {
+    const bool real = h < s.heads;
+    mx[h] = real ? row.max[h] : core::kNegInf;
+    cf[h] = real ? row.coef[h] : 0.0f;
+    dl[h] = real ? row.delta[h] : 0.0f;
+  }
+}
+
+// p = exp(scale * s - max) * coef and ds = p * (dp - delta), 16 heads at a time.
+inline void softmax_grad(__m512 s, __m512 dp, __m512 scale, __m512 mx, __m512 cf, __m512 dl, __mmask16 live,
+                         __m512& p, __m512& ds) {
+  p = _mm512_maskz_mov_ps(live, _mm512_mul_ps(exp512(_mm512_fmsub_ps(s, scale, mx)), cf));
+  ds = _mm512_mul_ps(p, _mm512_sub_ps(dp, dl));
+}
+
+void amx_backward_query_row(const Shape& s, const QueryRow& query, const RowBackward& row, const KeyRows& keys,
+                            void* scratch, void* d_query, void* d_query_rope) {
+  const BackwardDims d(s);
+  const RowScratch r = carve_row(scratch, d);
+  const PackedRow pk(row.packed, d);
+  configure_tiles();
+  // Contiguous [heads][dims] copies of the row's query (+ rope) and grad_out.
+  const auto* q = reinterpret_cast<const std::uint16_t*>(query.q);
+  const auto* qr = reinterpret_cast<const std::uint16_t*>(query.q_rope);
+  const auto* go = reinterpret_cast<const std::uint16_t*>(row.grad_out);
+  for (std::int64_t h = 0; h < d.hq; ++h) {
+    std::uint16_t* qd = r.qrow + h * d.dp;
+    std::uint16_t* gd = r.drow + h * d.dvq;
+    if (h < s.heads) {
+      std::memcpy(qd, q + h * query.q_head_stride, s.dim * 2);
+      if (s.rope_dim) std::memcpy(qd + s.dim, qr + h * query.q_rope_head_stride, s.rope_dim * 2);
+      std::memset(qd + s.qk_dim(), 0, (d.dp - s.qk_dim()) * 2);
+      std::memcpy(gd, go + h * row.go_head_stride, s.d_v * 2);
+      std::memset(gd + s.d_v, 0, (d.dvq - s.d_v) * 2);
+    } else {
+      std::memset(qd, 0, d.dp * 2);
+      std::memset(gd, 0, d.dvq * 2);
+    }
+  }
+  pack_dim_pairs(r.qrow, d.dp, d, pk.qb1);
+  pack_dim_pairs(r.drow, d.dvq, d, pk.db1);
+  for (std::int64_t pr = 0; pr < d.hq / 2; ++pr) {
+    interleave_rows(r.qrow + 2 * pr * d.dp, r.qrow + (2 * pr + 1) * d.dp, d.dp, d.dp, pk.qb2 + pr * d.dp * 2);
+    interleave_rows(r.drow + 2 * pr * d.dvq, r.drow + (2 * pr + 1) * d.dvq, s.d_v, d.dvp, pk.db2 + pr * d.dvp * 2);
+  }
+  load_constants(s, d, row, r.mx, r.cf, r.dl);
+  std::memset(r.dq, 0, d.hp * d.dp * 4);
+  const __m512 scale = _mm512_set1_ps(s.scale);
+
+  for (std::int64_t first = 0; first < keys.count; first += kBlock) {
+    const std::int64_t n = std::min(kBlock, keys.count - first);
+    gather_block(s, d, keys, first, n, r.kb, r.kv, d.dp, d.dp);
+    const std::int64_t key_tiles = (n + 15) / 16;
+    tile_gemm(false, r.s, d.hp, key_tiles, d.groups, r.kb, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
+    tile_gemm(false, r.dpb, d.hp, key_tiles, d.groups, r.kb, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
+    for (std::int64_t g = 0; g < d.groups; ++g) {
+      const __m512 mx = _mm512_load_ps(r.mx + g * 16), cf = _mm512_load_ps(r.cf + g * 16),
+                   dl = _mm512_load_ps(r.dl + g * 16);
+      const __mmask16 live = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(core::kNegInf), _CMP_NEQ_OQ);
+      for (std::int64_t k = 0; k < kBlock; ++k) {
+        float* srow = r.s + k * d.hp + g * 16;
+        __m512 p, ds = _mm512_setzero_ps();
+        if (k < n)
+          softmax_grad(_mm512_load_ps(srow), _mm512_load_ps(r.dpb + k * d.hp + g * 16), scale, mx, cf, dl, live, p, ds);
+        _mm512_store_ps(srow, ds);
+      }
+      for (std::int64_t kt = 0; kt < kBlock / 16; ++kt)
+        transpose16_to_bf16(r.s + kt * 16 * d.hp + g * 16, d.hp, r.dsa + g * 16 * kBlock + kt * 16, kBlock);
+    }
+    tile_gemm(true, r.dq, d.dp, d.groups, d.dp / 16, r.dsa, kBlock, r.kv, d.dp * 2, 16 * d.dp * 2, 32, (n + 31) / 32);
+  }
+  auto* dq_out = static_cast<std::uint16_t*>(d_query);
+  auto* dqr_out = static_cast<std::uint16_t*>(d_query_rope);
+  for (std::int64_t h = 0; h < s.heads; ++h) {
+    const float* acc = r.dq + h * d.dp;
+    for (std::int64_t k = 0; k < s.dim; ++k) dq_out[h * s.dim + k] = core::float_to_bf16(acc[k] * s.scale);
+    for (std::int64_t k = 0; k < s.rope_dim; ++k)
+      dqr_out[h * s.rope_dim + k] = core::float_to_bf16(acc[s.dim + k] * s.scale);
+  }
+}
+
+struct BlockScratch {
+  std::uint16_t* kbb;  // [kBlock][dp]: the owned keys, zero rows past the block
+  std::uint16_t* ke;   // [32][dp]: gathered entries when they are not a contiguous run
+  float* acc;          // [kBlock][dp]
+  float* tmp;          // [32][dp]
+  float* s;            // [32][hp]
+  float* dpb;          // [32][hp]
+  std::uint16_t* pa;   // [32][hq]
+  std::uint16_t* dsa;  // [32][hq]
+  float *mx, *cf, *dl;
+};
+
+std::size_t block_scratch_bytes(const BackwardDims& d) {
+  return static_cast<std::size_t>(2 * kBlock * d.dp * 2 + kBlock * d.dp * 4 + 32 * d.dp * 4 + 2 * 32 * d.hp * 4 +
+                                  2 * 32 * d.hq * 2 + 3 * d.hp * 4) +
+         12 * 64;
+}
+
+BlockScratch carve_block(void* scratch, const BackwardDims& d) {
+  char* p = static_cast<char*>(scratch);
+  BlockScratch b;
+  b.kbb = take<std::uint16_t>(p, kBlock * d.dp * 2);
+  b.ke = take<std::uint16_t>(p, kBlock * d.dp * 2);
+  b.acc = take<float>(p, kBlock * d.dp * 4);
+  b.tmp = take<float>(p, 32 * d.dp * 4);
+  b.s = take<float>(p, 32 * d.hp * 4);
+  b.dpb = take<float>(p, 32 * d.hp * 4);
+  b.pa = take<std::uint16_t>(p, 32 * d.hq * 2);
+  b.dsa = take<std::uint16_t>(p, 32 * d.hq * 2);
+  b.mx = take<float>(p, d.hp * 4);
+  b.cf = take<float>(p, d.hp * 4);
+  b.dl = take<float>(p, d.hp * 4);
+  return b;
+}
+
+void amx_backward_key_block(const Shape& s, const KeyRows& block, const TokenEntries* tokens, std::int64_t n_tokens,
+                            void* scratch, void* d_main, void* d_rope) {
+  static_assert(kOwnerBlock <= 32, "owned blocks must fit one 32-entry chunk past any offset");
+  const BackwardDims d(s);
+  const BlockScratch b = carve_block(scratch, d);
+  configure_tiles();
+  for (std::int64_t k = 0; k < kBlock; ++k) {
+    std::uint16_t* row = b.kbb + k * d.dp;
+    if (k < block.count) {
+      std::memcpy(row, block.main[k], s.dim * 2);
+      if (s.rope_dim) std::memcpy(row + s.dim, block.rope[k], s.rope_dim * 2);
+      std::memset(row + s.qk_dim(), 0, (d.dp - s.qk_dim()) * 2);
+    } else {
+      std::memset(row, 0, d.dp * 2);
+    }
+  }
+  std::memset(b.acc, 0, kBlock * d.dp * 4);
+  std::memset(b.ke, 0, 32 * d.dp * 2);
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  for (std::int64_t t = 0; t < n_tokens; ++t) {
+    const TokenEntries& tok = tokens[t];
+    const PackedRow pk(tok.row.packed, d);
+    load_constants(s, d, tok.row, b.mx, b.cf, b.dl);
+    for (std::int64_t e0 = 0; e0 < tok.count; e0 += 32) {
+      const std::int64_t ne = std::min<std::int64_t>(32, tok.count - e0);
+      const std::uint8_t* off = tok.offsets + e0;
+      bool run = true;
+      for (std::int64_t i = 1; i < ne && run; ++i) run = off[i] == off[0] + i;
+      const std::uint16_t* a;
+      if (run) {
+        a = b.kbb + off[0] * d.dp;  // rows past the run are other keys or zeros: masked below
+      } else {
+        for (std::int64_t i = 0; i < ne; ++i) std::memcpy(b.ke + i * d.dp, b.kbb + off[i] * d.dp, d.dp * 2);
+        a = b.ke;
+      }
+      const std::int64_t m_tiles = (ne + 15) / 16;
+      tile_gemm(false, b.s, d.hp, m_tiles, d.groups, a, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
+      tile_gemm(false, b.dpb, d.hp, m_tiles, d.groups, a, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
+      for (std::int64_t e = 0; e < m_tiles * 16; ++e) {
+        std::uint16_t* prow = b.pa + e * d.hq;
+        std::uint16_t* drow = b.dsa + e * d.hq;
+        for (std::int64_t g = 0; g < d.groups; ++g) {
+          __m512 p = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
+          if (e < ne) {
+            const __m512 mx = _mm512_load_ps(b.mx + g * 16);
+            const __mmask16 live = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(core::kNegInf), _CMP_NEQ_OQ);
+            softmax_grad(_mm512_load_ps(b.s + e * d.hp + g * 16), _mm512_load_ps(b.dpb + e * d.hp + g * 16), scale,
+                         mx, _mm512_load_ps(b.cf + g * 16), _mm512_load_ps(b.dl + g * 16), live, p, ds);
+          }
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + g * 16), (__m256i)_mm512_cvtneps_pbh(p));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(drow + g * 16),
+                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(ds, scale)));
+        }
+        for (std::int64_t h = d.hp; h < d.hq; ++h) prow[h] = drow[h] = 0;
+      }
+      // dK rows += dS^T . Q (all dims) and dV rows += P^T . dO (value dims).
+      float* c = run ? b.acc + off[0] * d.dp : b.tmp;
+      tile_gemm(run, c, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2, 16 * d.dp * 2, 32, d.hq / 32);
+      tile_gemm(true, c, d.dp, m_tiles, d.dvp / 16, b.pa, d.hq, pk.db2, d.dvp * 2, 16 * d.dvp * 2, 32, d.hq / 32);
+      if (!run)
+        for (std::int64_t i = 0; i < ne; ++i) {
+          float* dst = b.acc + off[i] * d.dp;
+          const float* src = b.tmp + i * d.dp;
+          for (std::int64_t k = 0; k < d.dp; k += 16)
+            _mm512_store_ps(dst + k, _mm512_add_ps(_mm512_load_ps(dst + k), _mm512_load_ps(src + k)));
+        }
+    }
+  }
+  auto* dm = static_cast<std::uint16_t*>(d_main);
+  auto* dr = static_cast<std::uint16_t*>(d_rope);
+  for (std::int64_t k = 0; k < block.count; ++k) {
+    const float* acc = b.acc + k * d.dp;
+    for (std::int64_t j = 0; j < s.dim; ++j) dm[k * s.dim + j] = core::float_to_bf16(acc[j]);
+    for (std::int64_t j = 0; j < s.rope_dim; ++j) dr[k * s.rope_dim + j] = core::float_to_bf16(acc[s.dim + j]);
+  }
+}
+
+std::size_t amx_scratch_bytes(const Shape& s) {
+  const BackwardDims d(s);
+  return std::max({forward_bytes(d), row_scratch_bytes(d), block_scratch_bytes(d), avx512_kernel().scratch_bytes(s)});
+}
+
 }  // namespace
 
 const AttentionKernel& amx_kernel() {
-  static const AttentionKernel kernel{"amx", amx_scratch_bytes, amx_forward_row,
-                                      avx512_kernel().backward_query_row, avx512_kernel().backward_key_block};
+  static const AttentionKernel kernel{"amx", amx_scratch_bytes, amx_packed_row_bytes, amx_forward_row,
+                                      amx_backward_query_row, amx_backward_key_block};
   return kernel;
 }
 

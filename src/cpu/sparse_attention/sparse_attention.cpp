@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #include "core/cpu_features.h"
@@ -258,6 +259,18 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   std::vector<float> sink_terms(p.sinks ? p.plan.q_rows * H : 0, 0.0f);
   const std::vector<RowTask> tasks = row_tasks(p);
   const int threads = std::max(1, p.num_threads);
+  // Per-row operands the kernel packs in phase 1 and reuses in phase 2 (AMX: the
+  // query and grad_out in tile layouts), about the size of query + grad_out.
+  const std::size_t packed_row = kernel.packed_row_bytes(shape);
+  struct AlignedBytes {
+    std::uint8_t* ptr = nullptr;
+    explicit AlignedBytes(std::size_t n)
+        : ptr(n ? static_cast<std::uint8_t*>(::operator new[](n, std::align_val_t(64))) : nullptr) {}
+    ~AlignedBytes() {
+      if (ptr) ::operator delete[](ptr, std::align_val_t(64));
+    }
+    std::uint8_t* data() const { return ptr; }
+  } packed(packed_row * p.plan.q_rows);  // not zeroed: every row that is read was written
   std::vector<Scratch> scratch = make_scratch(threads, kernel.scratch_bytes(shape), max_attended(p));
   core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t t, int thread) {
     const RowTask& task = tasks[t];
@@ -286,7 +299,8 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
       const KeyRows keys = gather_row(p, seq, i, s.ptrs);
       if (keys.count == 0) continue;
       RowBackward rb{static_cast<const char*>(p.grad_out) + row * p.go_row_stride * es, p.go_head_stride,
-                     p.saved_max + row * H, coef.data() + row * H, delta.data() + row * H};
+                     p.saved_max + row * H, coef.data() + row * H, delta.data() + row * H,
+                     packed_row ? packed.data() + row * packed_row : nullptr};
       kernel.backward_query_row(shape, query_row(p, row), rb, keys, s.aligned(),
                                 static_cast<char*>(p.d_query) + row * H * p.dim * es,
                                 p.rope_dim ? static_cast<char*>(p.d_query_rope) + row * H * p.rope_dim * es : nullptr);
@@ -330,7 +344,8 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
     os.tokens.clear();
     auto make_token = [&](std::int64_t row, const std::uint8_t* offsets, std::int64_t count) {
       RowBackward rb{static_cast<const char*>(p.grad_out) + row * p.go_row_stride * es, p.go_head_stride,
-                     p.saved_max + row * H, coef.data() + row * H, delta.data() + row * H};
+                     p.saved_max + row * H, coef.data() + row * H, delta.data() + row * H,
+                     packed_row ? packed.data() + row * packed_row : nullptr};
       os.tokens.push_back(TokenEntries{query_row(p, row), rb, offsets, count});
     };
     const std::int64_t key_row0 = (blk.compressed ? seq.c_begin : seq.k_begin) + blk.first;
