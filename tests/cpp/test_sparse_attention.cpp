@@ -281,6 +281,29 @@ TEST_P(SparseAttentionModes, ExplicitIndicesSharedValueDims) {
   check_config(c, 2);
 }
 
+TEST_P(SparseAttentionModes, ManyHeadsWideRows) {
+  // Several (odd) head groups, value dims not a multiple of 32, rope dims:
+  // every tile-edge branch of the AMX kernels.
+  Config c = tnd({20, 70}, {30, 100});
+  c.dtype = dtype();
+  c.heads = 40;
+  c.dim = 96;
+  c.rope = 32;
+  c.d_v = 80;
+  c.topk = 45;
+  check_config(c, 13);
+}
+
+TEST_P(SparseAttentionModes, ManyHeadsDense) {
+  Config c = tnd({67}, {140});
+  c.dtype = dtype();
+  c.heads = 33;
+  c.dim = 48;
+  c.window = 70;
+  c.sinks = true;
+  check_config(c, 14);
+}
+
 TEST_P(SparseAttentionModes, DenseCausalPrefix) {
   Config c = tnd({7, 2, 65}, {7, 9, 97});
   c.dtype = dtype();

@@ -370,10 +370,17 @@ void amx_forward_row(const Shape& s, const float* sinks, const QueryRow& query, 
 // 32 bf16 (VNNI pairs). A tile (mt, kc) at a + mt*16*a_stride + kc*32 (row
 // stride a_stride elements); B tile (kc, ng) at b + kc*b_chunk + ng*b_group
 // (row stride b_stride elements); C tile (mt, ng) at c + mt*16*c_stride + ng*16.
-void tile_gemm(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m_tiles, std::int64_t n_groups,
-               const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
-               std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks) {
+//
+// A second product A2 . B2 (same strides as the first, k2_chunks deep) is
+// added to the column groups ng < n2_groups while their C tiles are resident:
+// the dkv pass adds its value part P^T.dO to the key part dS^T.Q that way.
+void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m_tiles, std::int64_t n_groups,
+                const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
+                std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks, std::int64_t n2_groups,
+                const std::uint16_t* a2, const std::uint16_t* b2, std::int64_t b2_stride, std::int64_t b2_chunk,
+                std::int64_t k2_chunks) {
   const int cs = static_cast<int>(c_stride * 4), as = static_cast<int>(a_stride * 2), bs = static_cast<int>(b_stride * 2);
+  const int b2s = static_cast<int>(b2_stride * 2);
   for (std::int64_t mt = 0; mt < m_tiles; mt += 2) {
     const bool two_m = mt + 1 < m_tiles;
     for (std::int64_t ng = 0; ng < n_groups; ng += 2) {
@@ -405,12 +412,36 @@ void tile_gemm(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m_
           if (two_n) _tile_dpbf16ps(3, 5, 7);
         }
       }
+      if (ng < n2_groups) {
+        const bool two_n2 = ng + 1 < n2_groups;
+        for (std::int64_t kc = 0; kc < k2_chunks; ++kc) {
+          _tile_loadd(4, a2 + mt * 16 * a_stride + kc * 32, as);
+          _tile_loadd(6, b2 + kc * b2_chunk + ng * b_group, b2s);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two_n2) {
+            _tile_loadd(7, b2 + kc * b2_chunk + (ng + 1) * b_group, b2s);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (two_m) {
+            _tile_loadd(5, a2 + (mt + 1) * 16 * a_stride + kc * 32, as);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_n2) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+      }
       _tile_stored(0, c00, cs);
       if (two_n) _tile_stored(1, c00 + 16, cs);
       if (two_m) _tile_stored(2, c10, cs);
       if (two_m && two_n) _tile_stored(3, c10 + 16, cs);
     }
   }
+}
+
+void tile_gemm(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m_tiles, std::int64_t n_groups,
+               const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
+               std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks) {
+  tile_gemm2(accumulate, c, c_stride, m_tiles, n_groups, a, a_stride, b, b_stride, b_chunk, b_group, k_chunks, 0,
+             nullptr, nullptr, 0, 0, 0);
 }
 
 // Per-row operands packed by the dq pass and reused by the dkv pass:
@@ -672,8 +703,8 @@ void amx_backward_key_block(const Shape& s, const KeyRows& block, const TokenEnt
       }
       // dK rows += dS^T . Q (all dims) and dV rows += P^T . dO (value dims).
       float* c = run ? b.acc + off[0] * d.dp : b.tmp;
-      tile_gemm(run, c, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2, 16 * d.dp * 2, 32, d.hq / 32);
-      tile_gemm(true, c, d.dp, m_tiles, d.dvp / 16, b.pa, d.hq, pk.db2, d.dvp * 2, 16 * d.dvp * 2, 32, d.hq / 32);
+      tile_gemm2(run, c, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2, 16 * d.dp * 2, 32, d.hq / 32,
+                 d.dvp / 16, b.pa, pk.db2, d.dvp * 2, 16 * d.dvp * 2, d.hq / 32);
       if (!run)
         for (std::int64_t i = 0; i < ne; ++i) {
           float* dst = b.acc + off[i] * d.dp;
