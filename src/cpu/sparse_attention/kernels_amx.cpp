@@ -612,9 +612,9 @@ void amx_backward_query_row(const Shape& s, const QueryRow& query, const RowBack
 }
 
 struct BlockScratch {
-  std::uint16_t* kbb;  // [kBlock][dp]: the owned keys, zero rows past the block
+  std::uint16_t* kbb;  // [kOwnedRows][dp]: the owned keys, zero rows past the block
   std::uint16_t* ke;   // [32][dp]: gathered entries when they are not a contiguous run
-  float* acc;          // [kBlock][dp]
+  float* acc;          // [kOwnedRows][dp]
   float* tmp;          // [32][dp]
   float* s;            // [32][hp]
   float* dpb;          // [32][hp]
@@ -623,8 +623,12 @@ struct BlockScratch {
   float *mx, *cf, *dl;
 };
 
+// Owned rows plus one 32-entry chunk of overrun: a contiguous run starting at
+// any offset reads (and adds exact zeros to) rows past the block.
+constexpr std::int64_t kOwnedRows = kOwnerBlock + 32;
+
 std::size_t block_scratch_bytes(const BackwardDims& d) {
-  return static_cast<std::size_t>(2 * kBlock * d.dp * 2 + kBlock * d.dp * 4 + 32 * d.dp * 4 + 2 * 32 * d.hp * 4 +
+  return static_cast<std::size_t>(kOwnedRows * d.dp * 2 + 32 * d.dp * 2 + kOwnedRows * d.dp * 4 + 32 * d.dp * 4 + 2 * 32 * d.hp * 4 +
                                   2 * 32 * d.hq * 2 + 3 * d.hp * 4) +
          12 * 64;
 }
@@ -632,9 +636,9 @@ std::size_t block_scratch_bytes(const BackwardDims& d) {
 BlockScratch carve_block(void* scratch, const BackwardDims& d) {
   char* p = static_cast<char*>(scratch);
   BlockScratch b;
-  b.kbb = take<std::uint16_t>(p, kBlock * d.dp * 2);
-  b.ke = take<std::uint16_t>(p, kBlock * d.dp * 2);
-  b.acc = take<float>(p, kBlock * d.dp * 4);
+  b.kbb = take<std::uint16_t>(p, kOwnedRows * d.dp * 2);
+  b.ke = take<std::uint16_t>(p, 32 * d.dp * 2);
+  b.acc = take<float>(p, kOwnedRows * d.dp * 4);
   b.tmp = take<float>(p, 32 * d.dp * 4);
   b.s = take<float>(p, 32 * d.hp * 4);
   b.dpb = take<float>(p, 32 * d.hp * 4);
@@ -648,11 +652,10 @@ BlockScratch carve_block(void* scratch, const BackwardDims& d) {
 
 void amx_backward_key_block(const Shape& s, const KeyRows& block, const TokenEntries* tokens, std::int64_t n_tokens,
                             void* scratch, void* d_main, void* d_rope) {
-  static_assert(kOwnerBlock <= 32, "owned blocks must fit one 32-entry chunk past any offset");
   const BackwardDims d(s);
   const BlockScratch b = carve_block(scratch, d);
   configure_tiles();
-  for (std::int64_t k = 0; k < kBlock; ++k) {
+  for (std::int64_t k = 0; k < kOwnedRows; ++k) {
     std::uint16_t* row = b.kbb + k * d.dp;
     if (k < block.count) {
       std::memcpy(row, block.main[k], s.dim * 2);
@@ -662,7 +665,7 @@ void amx_backward_key_block(const Shape& s, const KeyRows& block, const TokenEnt
       std::memset(row, 0, d.dp * 2);
     }
   }
-  std::memset(b.acc, 0, kBlock * d.dp * 4);
+  std::memset(b.acc, 0, kOwnedRows * d.dp * 4);
   std::memset(b.ke, 0, 32 * d.dp * 2);
   const __m512 scale = _mm512_set1_ps(s.scale);
   for (std::int64_t t = 0; t < n_tokens; ++t) {
