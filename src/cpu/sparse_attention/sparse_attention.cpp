@@ -207,6 +207,43 @@ InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std
   return inv;
 }
 
+// dO . out of one head, in fp32 with 8 independent partial sums (vectorisable).
+float row_dot(const char* a, const char* b, DType dtype, std::int64_t n) {
+  float acc[8] = {};
+  auto run = [&](auto load) {
+    std::int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int l = 0; l < 8; ++l) acc[l] += load(a, i + l) * load(b, i + l);
+    for (; i < n; ++i) acc[0] += load(a, i) * load(b, i);
+  };
+  switch (dtype) {
+    case DType::bf16:
+      run([](const char* p, std::int64_t i) {
+        std::uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        return core::bf16_to_float(v);
+      });
+      break;
+    case DType::f16:
+      run([](const char* p, std::int64_t i) {
+        std::uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        return core::f16_to_float(v);
+      });
+      break;
+    default:
+      run([](const char* p, std::int64_t i) {
+        float v;
+        std::memcpy(&v, p + 4 * i, 4);
+        return v;
+      });
+      break;
+  }
+  float sum = 0.0f;
+  for (float v : acc) sum += v;
+  return sum;
+}
+
 }  // namespace
 
 void sparse_attention_fwd(const SparseAttentionProblem& p) {
@@ -288,10 +325,9 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
           sink_term = std::exp(p.sinks[h] - top);
         }
         const float denom = sum * scale_m + sink_term;
-        float d = 0.0f;
-        for (std::int64_t k = 0; k < dv; ++k)
-          d += core::load_float(p.grad_out, p.dtype, row * p.go_row_stride + h * p.go_head_stride + k) *
-               core::load_float(p.fwd_out, p.dtype, row * p.o_row_stride + h * p.o_head_stride + k);
+        const float d = row_dot(static_cast<const char*>(p.grad_out) + (row * p.go_row_stride + h * p.go_head_stride) * es,
+                                static_cast<const char*>(p.fwd_out) + (row * p.o_row_stride + h * p.o_head_stride) * es,
+                                p.dtype, dv);
         coef[row * H + h] = scale_m / denom;
         delta[row * H + h] = d;
         if (p.sinks) sink_terms[row * H + h] = -(sink_term / denom) * d;
