@@ -56,6 +56,7 @@ struct Dims {
 };
 
 struct Buffers {
+  std::uint16_t* qrow;  // [hp][dp]
   std::uint16_t* qb;  // [chunks][groups][16 pairs][16 heads][2]
   std::uint16_t* kb;  // [kBlock][dp]
   std::uint16_t* vv;  // [kBlock / 2][dvp][2]
@@ -68,9 +69,9 @@ struct Buffers {
 };
 
 std::size_t forward_bytes(const Dims& d) {
-  return static_cast<std::size_t>(d.dp * d.hp * 2 + kBlock * d.dp * 2 + kBlock * d.dvp * 2 + d.hp * kBlock * 2 +
+  return static_cast<std::size_t>(2 * d.dp * d.hp * 2 + kBlock * d.dp * 2 + kBlock * d.dvp * 2 + d.hp * kBlock * 2 +
                                   kBlock * d.hp * 4 + d.hp * d.dvp * 4 + 3 * d.hp * 4) +
-         10 * 64;
+         11 * 64;
 }
 
 Buffers carve(void* scratch, const Dims& d) {
@@ -80,6 +81,7 @@ Buffers carve(void* scratch, const Dims& d) {
     return at;
   };
   Buffers b;
+  b.qrow = reinterpret_cast<std::uint16_t*>(next(d.dp * d.hp * 2));
   b.qb = reinterpret_cast<std::uint16_t*>(next(d.dp * d.hp * 2));
   b.kb = reinterpret_cast<std::uint16_t*>(next(kBlock * d.dp * 2));
   b.vv = reinterpret_cast<std::uint16_t*>(next(kBlock * d.dvp * 2));
@@ -113,9 +115,9 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// dst[c][r] = src[r][c] for a 16 x 16 fp32 block, written as bf16.
-inline void transpose16_to_bf16(const float* src, std::int64_t src_stride, std::uint16_t* dst,
-                                std::int64_t dst_stride) {
+// cols[c][r] = src[r][c] for a 16 x 16 block of 32-bit elements (pure data
+// movement, so it serves fp32 values and bf16 pairs alike).
+inline void transpose16(const float* src, std::int64_t src_stride, __m512 cols[16]) {
   __m512 r[16], t[16];
   for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
   for (int i = 0; i < 16; i += 2) {
@@ -132,30 +134,53 @@ inline void transpose16_to_bf16(const float* src, std::int64_t src_stride, std::
   for (int j = 0; j < 4; ++j) {
     const __m512 a0 = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88), a1 = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xdd);
     const __m512 b0 = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88), b1 = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xdd);
-    const __m512 cols[4] = {_mm512_shuffle_f32x4(a0, b0, 0x88), _mm512_shuffle_f32x4(a1, b1, 0x88),
-                            _mm512_shuffle_f32x4(a0, b0, 0xdd), _mm512_shuffle_f32x4(a1, b1, 0xdd)};
-    for (int q = 0; q < 4; ++q)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (j + 4 * q) * dst_stride),
-                          (__m256i)_mm512_cvtneps_pbh(cols[q]));
+    cols[j] = _mm512_shuffle_f32x4(a0, b0, 0x88);
+    cols[j + 4] = _mm512_shuffle_f32x4(a1, b1, 0x88);
+    cols[j + 8] = _mm512_shuffle_f32x4(a0, b0, 0xdd);
+    cols[j + 12] = _mm512_shuffle_f32x4(a1, b1, 0xdd);
   }
 }
 
-// Query row -> B tiles of S^T = K . Q^T: pairs of dims (rows) by 16 heads (cols).
-void pack_query(const Shape& s, const Dims& d, const QueryRow& q, std::uint16_t* qb) {
-  std::memset(qb, 0, d.dp * d.hp * 2);
+// dst[c][r] = src[r][c] for a 16 x 16 fp32 block, written as bf16.
+inline void transpose16_to_bf16(const float* src, std::int64_t src_stride, std::uint16_t* dst,
+                                std::int64_t dst_stride) {
+  __m512 cols[16];
+  transpose16(src, src_stride, cols);
+  for (int c = 0; c < 16; ++c)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * dst_stride), (__m256i)_mm512_cvtneps_pbh(cols[c]));
+}
+
+// rows [>= hp][cols_pad] bf16 (heads x dims) -> B tiles of pairs of dims x 16
+// heads: [cols_pad/32][hp/16][16 pairs][16 heads][2], one 16x16 transpose of
+// 32-bit pairs per tile.
+void pack_dim_pairs(const std::uint16_t* rows, std::int64_t cols_pad, const Dims& d, std::uint16_t* out) {
+  __m512 cols[16];
+  for (std::int64_t c = 0; c < cols_pad / 32; ++c)
+    for (std::int64_t g = 0; g < d.groups; ++g) {
+      transpose16(reinterpret_cast<const float*>(rows + g * 16 * cols_pad + c * 32), cols_pad / 2, cols);
+      auto* dst = reinterpret_cast<float*>(out + (c * d.groups + g) * 512);
+      for (int r = 0; r < 16; ++r) _mm512_storeu_ps(dst + r * 16, cols[r]);
+    }
+}
+
+// Query row -> contiguous [hp][dp] rows (query, rope, zero padding), then the
+// B tiles of S^T = K . Q^T: pairs of dims (rows) by 16 heads (cols).
+void pack_query(const Shape& s, const Dims& d, const QueryRow& q, std::uint16_t* qrow, std::uint16_t* qb) {
   const auto* base = reinterpret_cast<const std::uint16_t*>(q.q);
   const auto* rope = reinterpret_cast<const std::uint16_t*>(q.q_rope);
-  for (std::int64_t h = 0; h < s.heads; ++h) {
-    const std::int64_t g = h / 16, col = h % 16;
-    for (std::int64_t k = 0; k < s.qk_dim(); ++k) {
-      const std::uint16_t v = k < s.dim ? base[h * q.q_head_stride + k] : rope[h * q.q_rope_head_stride + k - s.dim];
-      const std::int64_t c = k / 32, r = (k % 32) / 2;
-      qb[(((c * d.groups + g) * 16 + r) * 16 + col) * 2 + (k & 1)] = v;
+  for (std::int64_t h = 0; h < d.hp; ++h) {
+    std::uint16_t* row = qrow + h * d.dp;
+    if (h < s.heads) {
+      std::memcpy(row, base + h * q.q_head_stride, s.dim * 2);
+      if (s.rope_dim) std::memcpy(row + s.dim, rope + h * q.q_rope_head_stride, s.rope_dim * 2);
+      std::memset(row + s.qk_dim(), 0, (d.dp - s.qk_dim()) * 2);
+    } else {
+      std::memset(row, 0, d.dp * 2);
     }
   }
+  pack_dim_pairs(qrow, d.dp, d, qb);
 }
 
-// Gathers up to kBlock keys into Kb and their values into the VNNI layout Vv.
 void interleave_rows(const std::uint16_t* a, const std::uint16_t* b, std::int64_t cols, std::int64_t cols_pad,
                      std::uint16_t* out);
 
@@ -208,7 +233,7 @@ void amx_forward_row(const Shape& s, const float* sinks, const QueryRow& query, 
   const Dims d(s);
   const Buffers b = carve(scratch, d);
   configure_tiles();
-  pack_query(s, d, query, b.qb);
+  pack_query(s, d, query, b.qrow, b.qb);
   std::memset(b.o, 0, d.hp * d.dvp * 4);
   for (std::int64_t h = 0; h < d.hp; ++h) {
     b.max[h] = b.true_max[h] = core::kNegInf;
@@ -471,20 +496,6 @@ struct PackedRow {
 };
 
 std::size_t amx_packed_row_bytes(const Shape& s) { return BackwardDims(s).packed(); }
-
-// rows [hq][cols_pad] (heads x dims) -> [cols_pad/32][hp/16][16 pairs][16 heads][2].
-void pack_dim_pairs(const std::uint16_t* rows, std::int64_t cols_pad, const BackwardDims& d, std::uint16_t* out) {
-  for (std::int64_t h = 0; h < d.hp; ++h) {
-    const std::int64_t g = h / 16, col = h % 16;
-    const std::uint16_t* src = rows + h * cols_pad;
-    for (std::int64_t k = 0; k < cols_pad; k += 2) {
-      const std::int64_t c = k / 32, r = (k % 32) / 2;
-      std::uint32_t pair;
-      std::memcpy(&pair, src + k, 4);
-      std::memcpy(out + (((c * d.groups + g) * 16 + r) * 16 + col) * 2, &pair, 4);
-    }
-  }
-}
 
 struct RowScratch {
   std::uint16_t* qrow;  // [hq][dp]
