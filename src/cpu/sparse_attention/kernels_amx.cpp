@@ -627,11 +627,12 @@ struct BlockScratch {
   std::uint16_t* ke;   // [32][dp]: gathered entries when they are not a contiguous run
   float* acc;          // [kOwnedRows][dp]
   float* tmp;          // [32][dp]
-  float* s;            // [32][hp]
-  float* dpb;          // [32][hp]
-  std::uint16_t* pa;   // [32][hq]
-  std::uint16_t* dsa;  // [32][hq]
+  float* s;            // [kOwnerBlock][hp]
+  float* dpb;          // [kOwnerBlock][hp]
+  std::uint16_t* pa;   // [kOwnerBlock][hq]
+  std::uint16_t* dsa;  // [kOwnerBlock][hq]
   float *mx, *cf, *dl;
+  __mmask16* live;     // [hp / 16]: heads with a finite max
 };
 
 // Owned rows plus one 32-entry chunk of overrun: a contiguous run starting at
@@ -639,9 +640,9 @@ struct BlockScratch {
 constexpr std::int64_t kOwnedRows = kOwnerBlock + 32;
 
 std::size_t block_scratch_bytes(const BackwardDims& d) {
-  return static_cast<std::size_t>(kOwnedRows * d.dp * 2 + 32 * d.dp * 2 + kOwnedRows * d.dp * 4 + 32 * d.dp * 4 + 2 * 32 * d.hp * 4 +
-                                  2 * 32 * d.hq * 2 + 3 * d.hp * 4) +
-         12 * 64;
+  return static_cast<std::size_t>(kOwnedRows * d.dp * 2 + 32 * d.dp * 2 + kOwnedRows * d.dp * 4 + 32 * d.dp * 4 +
+                                  2 * kOwnerBlock * d.hp * 4 + 2 * kOwnerBlock * d.hq * 2 + 3 * d.hp * 4 + d.hp) +
+         13 * 64;
 }
 
 BlockScratch carve_block(void* scratch, const BackwardDims& d) {
@@ -651,13 +652,14 @@ BlockScratch carve_block(void* scratch, const BackwardDims& d) {
   b.ke = take<std::uint16_t>(p, 32 * d.dp * 2);
   b.acc = take<float>(p, kOwnedRows * d.dp * 4);
   b.tmp = take<float>(p, 32 * d.dp * 4);
-  b.s = take<float>(p, 32 * d.hp * 4);
-  b.dpb = take<float>(p, 32 * d.hp * 4);
-  b.pa = take<std::uint16_t>(p, 32 * d.hq * 2);
-  b.dsa = take<std::uint16_t>(p, 32 * d.hq * 2);
+  b.s = take<float>(p, kOwnerBlock * d.hp * 4);
+  b.dpb = take<float>(p, kOwnerBlock * d.hp * 4);
+  b.pa = take<std::uint16_t>(p, kOwnerBlock * d.hq * 2);
+  b.dsa = take<std::uint16_t>(p, kOwnerBlock * d.hq * 2);
   b.mx = take<float>(p, d.hp * 4);
   b.cf = take<float>(p, d.hp * 4);
   b.dl = take<float>(p, d.hp * 4);
+  b.live = take<__mmask16>(p, d.hp);
   return b;
 }
 
@@ -679,10 +681,47 @@ void amx_backward_key_block(const Shape& s, const KeyRows& block, const TokenEnt
   std::memset(b.acc, 0, kOwnedRows * d.dp * 4);
   std::memset(b.ke, 0, 32 * d.dp * 2);
   const __m512 scale = _mm512_set1_ps(s.scale);
+  // P^T and dS^T rows (bf16, scaled by weight(e); rows >= valid are zero) for
+  // the S^T / dP^T rows in b.s / b.dpb.
+  auto epilogue = [&](std::int64_t rows, std::int64_t valid, auto&& weight) {
+    for (std::int64_t e = 0; e < rows; ++e) {
+      std::uint16_t* prow = b.pa + e * d.hq;
+      std::uint16_t* drow = b.dsa + e * d.hq;
+      const float w = e < valid ? weight(e) : 0.0f;
+      const __m512 vw = _mm512_set1_ps(w), vws = _mm512_set1_ps(w * s.scale);
+      for (std::int64_t g = 0; g < d.groups; ++g) {
+        __m512 p = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
+        if (w != 0.0f)
+          softmax_grad(_mm512_load_ps(b.s + e * d.hp + g * 16), _mm512_load_ps(b.dpb + e * d.hp + g * 16), scale,
+                       _mm512_load_ps(b.mx + g * 16), _mm512_load_ps(b.cf + g * 16),
+                       _mm512_load_ps(b.dl + g * 16), b.live[g], p, ds);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + g * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, vw)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(drow + g * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(ds, vws)));
+      }
+      for (std::int64_t h = d.hp; h < d.hq; ++h) prow[h] = drow[h] = 0;
+    }
+  };
+  float weights[kOwnerBlock];
   for (std::int64_t t = 0; t < n_tokens; ++t) {
     const TokenEntries& tok = tokens[t];
     const PackedRow pk(tok.row.packed, d);
     load_constants(s, d, tok.row, b.mx, b.cf, b.dl);
+    for (std::int64_t g = 0; g < d.groups; ++g)
+      b.live[g] = _mm512_cmp_ps_mask(_mm512_load_ps(b.mx + g * 16), _mm512_set1_ps(core::kNegInf), _CMP_NEQ_OQ);
+    if (2 * tok.count >= block.count) {
+      // Dense over the block: every key once, weighted by how often the token
+      // lists it (0 for keys it does not attend). No gathers, no scatter.
+      std::fill(weights, weights + block.count, 0.0f);
+      for (std::int64_t e = 0; e < tok.count; ++e) weights[tok.offsets[e]] += 1.0f;
+      const std::int64_t m_tiles = (block.count + 15) / 16;
+      tile_gemm(false, b.s, d.hp, m_tiles, d.groups, b.kbb, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
+      tile_gemm(false, b.dpb, d.hp, m_tiles, d.groups, b.kbb, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
+      epilogue(m_tiles * 16, block.count, [&](std::int64_t e) { return weights[e]; });
+      tile_gemm2(true, b.acc, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2, 16 * d.dp * 2, 32, d.hq / 32,
+                 d.dvp / 16, b.pa, pk.db2, d.dvp * 2, 16 * d.dvp * 2, d.hq / 32);
+      continue;
+    }
     for (std::int64_t e0 = 0; e0 < tok.count; e0 += 32) {
       const std::int64_t ne = std::min<std::int64_t>(32, tok.count - e0);
       const std::uint8_t* off = tok.offsets + e0;
@@ -698,23 +737,7 @@ void amx_backward_key_block(const Shape& s, const KeyRows& block, const TokenEnt
       const std::int64_t m_tiles = (ne + 15) / 16;
       tile_gemm(false, b.s, d.hp, m_tiles, d.groups, a, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
       tile_gemm(false, b.dpb, d.hp, m_tiles, d.groups, a, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
-      for (std::int64_t e = 0; e < m_tiles * 16; ++e) {
-        std::uint16_t* prow = b.pa + e * d.hq;
-        std::uint16_t* drow = b.dsa + e * d.hq;
-        for (std::int64_t g = 0; g < d.groups; ++g) {
-          __m512 p = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
-          if (e < ne) {
-            const __m512 mx = _mm512_load_ps(b.mx + g * 16);
-            const __mmask16 live = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(core::kNegInf), _CMP_NEQ_OQ);
-            softmax_grad(_mm512_load_ps(b.s + e * d.hp + g * 16), _mm512_load_ps(b.dpb + e * d.hp + g * 16), scale,
-                         mx, _mm512_load_ps(b.cf + g * 16), _mm512_load_ps(b.dl + g * 16), live, p, ds);
-          }
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + g * 16), (__m256i)_mm512_cvtneps_pbh(p));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(drow + g * 16),
-                              (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(ds, scale)));
-        }
-        for (std::int64_t h = d.hp; h < d.hq; ++h) prow[h] = drow[h] = 0;
-      }
+      epilogue(m_tiles * 16, ne, [](std::int64_t) { return 1.0f; });
       // dK rows += dS^T . Q (all dims) and dV rows += P^T . dO (value dims).
       float* c = run ? b.acc + off[0] * d.dp : b.tmp;
       tile_gemm2(run, c, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2, 16 * d.dp * 2, 32, d.hq / 32,
