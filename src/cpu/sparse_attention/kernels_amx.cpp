@@ -638,10 +638,12 @@ struct BlockScratch {
 // Owned rows plus one 32-entry chunk of overrun: a contiguous run starting at
 // any offset reads (and adds exact zeros to) rows past the block.
 constexpr std::int64_t kOwnedRows = kOwnerBlock + 32;
+constexpr std::int64_t kSub = 64;  // keys per tile pass of the dkv kernel
+static_assert(kOwnerBlock % kSub == 0 && kOwnerBlock <= 256, "offsets are uint8 and sub-blocks tile the block");
 
 std::size_t block_scratch_bytes(const BackwardDims& d) {
   return static_cast<std::size_t>(kOwnedRows * d.dp * 2 + 32 * d.dp * 2 + kOwnedRows * d.dp * 4 + 32 * d.dp * 4 +
-                                  2 * kOwnerBlock * d.hp * 4 + 2 * kOwnerBlock * d.hq * 2 + 3 * d.hp * 4 + d.hp) +
+                                  2 * kSub * d.hp * 4 + 2 * kSub * d.hq * 2 + 3 * d.hp * 4 + d.hp) +
          13 * 64;
 }
 
@@ -652,10 +654,10 @@ BlockScratch carve_block(void* scratch, const BackwardDims& d) {
   b.ke = take<std::uint16_t>(p, 32 * d.dp * 2);
   b.acc = take<float>(p, kOwnedRows * d.dp * 4);
   b.tmp = take<float>(p, 32 * d.dp * 4);
-  b.s = take<float>(p, kOwnerBlock * d.hp * 4);
-  b.dpb = take<float>(p, kOwnerBlock * d.hp * 4);
-  b.pa = take<std::uint16_t>(p, kOwnerBlock * d.hq * 2);
-  b.dsa = take<std::uint16_t>(p, kOwnerBlock * d.hq * 2);
+  b.s = take<float>(p, kSub * d.hp * 4);
+  b.dpb = take<float>(p, kSub * d.hp * 4);
+  b.pa = take<std::uint16_t>(p, kSub * d.hq * 2);
+  b.dsa = take<std::uint16_t>(p, kSub * d.hq * 2);
   b.mx = take<float>(p, d.hp * 4);
   b.cf = take<float>(p, d.hp * 4);
   b.dl = take<float>(p, d.hp * 4);
@@ -702,53 +704,72 @@ void amx_backward_key_block(const Shape& s, const KeyRows& block, const TokenEnt
       for (std::int64_t h = d.hp; h < d.hq; ++h) prow[h] = drow[h] = 0;
     }
   };
+  // The owned block is processed in sub-blocks of kSub keys, token by token,
+  // so a token's packed operands are read once per owned block (not once per
+  // sub-block) while the per-token tile work stays kSub keys wide.
   float weights[kOwnerBlock];
+  std::uint8_t chunk[32];
   for (std::int64_t t = 0; t < n_tokens; ++t) {
     const TokenEntries& tok = tokens[t];
     const PackedRow pk(tok.row.packed, d);
     load_constants(s, d, tok.row, b.mx, b.cf, b.dl);
     for (std::int64_t g = 0; g < d.groups; ++g)
       b.live[g] = _mm512_cmp_ps_mask(_mm512_load_ps(b.mx + g * 16), _mm512_set1_ps(core::kNegInf), _CMP_NEQ_OQ);
-    if (2 * tok.count >= block.count) {
-      // Dense over the block: every key once, weighted by how often the token
-      // lists it (0 for keys it does not attend). No gathers, no scatter.
-      std::fill(weights, weights + block.count, 0.0f);
-      for (std::int64_t e = 0; e < tok.count; ++e) weights[tok.offsets[e]] += 1.0f;
-      const std::int64_t m_tiles = (block.count + 15) / 16;
-      tile_gemm(false, b.s, d.hp, m_tiles, d.groups, b.kbb, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
-      tile_gemm(false, b.dpb, d.hp, m_tiles, d.groups, b.kbb, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
-      epilogue(m_tiles * 16, block.count, [&](std::int64_t e) { return weights[e]; });
-      tile_gemm2(true, b.acc, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2, 16 * d.dp * 2, 32, d.hq / 32,
-                 d.dvp / 16, b.pa, pk.db2, d.dvp * 2, 16 * d.dvp * 2, d.hq / 32);
-      continue;
+    std::int64_t per_sub[kOwnerBlock / kSub] = {};
+    std::fill(weights, weights + kOwnerBlock, 0.0f);
+    for (std::int64_t e = 0; e < tok.count; ++e) {
+      weights[tok.offsets[e]] += 1.0f;
+      ++per_sub[tok.offsets[e] / kSub];
     }
-    for (std::int64_t e0 = 0; e0 < tok.count; e0 += 32) {
-      const std::int64_t ne = std::min<std::int64_t>(32, tok.count - e0);
-      const std::uint8_t* off = tok.offsets + e0;
-      bool run = true;
-      for (std::int64_t i = 1; i < ne && run; ++i) run = off[i] == off[0] + i;
-      const std::uint16_t* a;
-      if (run) {
-        a = b.kbb + off[0] * d.dp;  // rows past the run are other keys or zeros: masked below
-      } else {
-        for (std::int64_t i = 0; i < ne; ++i) std::memcpy(b.ke + i * d.dp, b.kbb + off[i] * d.dp, d.dp * 2);
-        a = b.ke;
+    for (std::int64_t sb = 0; sb * kSub < block.count; ++sb) {
+      const std::int64_t count = per_sub[sb];
+      if (count == 0) continue;
+      const std::int64_t base = sb * kSub, rows = std::min(kSub, block.count - base);
+      if (2 * count >= rows) {
+        // Dense over the sub-block: every key once, weighted by how often the
+        // token lists it (0 for keys it does not attend). No gathers, no scatter.
+        const std::int64_t m_tiles = (rows + 15) / 16;
+        const std::uint16_t* a = b.kbb + base * d.dp;
+        tile_gemm(false, b.s, d.hp, m_tiles, d.groups, a, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
+        tile_gemm(false, b.dpb, d.hp, m_tiles, d.groups, a, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
+        epilogue(m_tiles * 16, rows, [&](std::int64_t e) { return weights[base + e]; });
+        tile_gemm2(true, b.acc + base * d.dp, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2,
+                   16 * d.dp * 2, 32, d.hq / 32, d.dvp / 16, b.pa, pk.db2, d.dvp * 2, 16 * d.dvp * 2, d.hq / 32);
+        continue;
       }
-      const std::int64_t m_tiles = (ne + 15) / 16;
-      tile_gemm(false, b.s, d.hp, m_tiles, d.groups, a, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
-      tile_gemm(false, b.dpb, d.hp, m_tiles, d.groups, a, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
-      epilogue(m_tiles * 16, ne, [](std::int64_t) { return 1.0f; });
-      // dK rows += dS^T . Q (all dims) and dV rows += P^T . dO (value dims).
-      float* c = run ? b.acc + off[0] * d.dp : b.tmp;
-      tile_gemm2(run, c, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2, 16 * d.dp * 2, 32, d.hq / 32,
-                 d.dvp / 16, b.pa, pk.db2, d.dvp * 2, 16 * d.dvp * 2, d.hq / 32);
-      if (!run)
-        for (std::int64_t i = 0; i < ne; ++i) {
-          float* dst = b.acc + off[i] * d.dp;
-          const float* src = b.tmp + i * d.dp;
-          for (std::int64_t k = 0; k < d.dp; k += 16)
-            _mm512_store_ps(dst + k, _mm512_add_ps(_mm512_load_ps(dst + k), _mm512_load_ps(src + k)));
+      // Sparse: the token's entries in this sub-block, in list order, 32 at a time.
+      std::int64_t scan = 0;
+      while (scan < tok.count) {
+        std::int64_t ne = 0;
+        for (; scan < tok.count && ne < 32; ++scan)
+          if (tok.offsets[scan] / kSub == sb) chunk[ne++] = tok.offsets[scan];
+        if (ne == 0) break;
+        const std::uint8_t* off = chunk;
+        bool run = true;
+        for (std::int64_t i = 1; i < ne && run; ++i) run = off[i] == off[0] + i;
+        const std::uint16_t* a;
+        if (run) {
+          a = b.kbb + off[0] * d.dp;  // rows past the run are other keys or zeros: masked below
+        } else {
+          for (std::int64_t i = 0; i < ne; ++i) std::memcpy(b.ke + i * d.dp, b.kbb + off[i] * d.dp, d.dp * 2);
+          a = b.ke;
         }
+        const std::int64_t m_tiles = (ne + 15) / 16;
+        tile_gemm(false, b.s, d.hp, m_tiles, d.groups, a, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
+        tile_gemm(false, b.dpb, d.hp, m_tiles, d.groups, a, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
+        epilogue(m_tiles * 16, ne, [](std::int64_t) { return 1.0f; });
+        // dK rows += dS^T . Q (all dims) and dV rows += P^T . dO (value dims).
+        float* c = run ? b.acc + off[0] * d.dp : b.tmp;
+        tile_gemm2(run, c, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2, 16 * d.dp * 2, 32, d.hq / 32,
+                   d.dvp / 16, b.pa, pk.db2, d.dvp * 2, 16 * d.dvp * 2, d.hq / 32);
+        if (!run)
+          for (std::int64_t i = 0; i < ne; ++i) {
+            float* dst = b.acc + off[i] * d.dp;
+            const float* src = b.tmp + i * d.dp;
+            for (std::int64_t k = 0; k < d.dp; k += 16)
+              _mm512_store_ps(dst + k, _mm512_add_ps(_mm512_load_ps(dst + k), _mm512_load_ps(src + k)));
+          }
+      }
     }
   }
   auto* dm = static_cast<std::uint16_t*>(d_main);
