@@ -20,7 +20,7 @@
 namespace dsa::cpu::attention_kernels {
 
 inline constexpr std::int64_t kKeyBlock = 32;  // keys gathered per block (forward, dq pass)
-inline constexpr std::int64_t kOwnerBlock = 64;  // key rows owned by one dkv task (<= 256: uint8 offsets)
+inline constexpr std::int64_t kOwnerBlock = 256;  // key rows owned by one dkv task (<= 256: uint8 offsets)
 
 struct Shape {
   DType dtype;
