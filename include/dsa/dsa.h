@@ -8,4 +8,5 @@
 #include "dsa/indexer.h"
 #include "dsa/kl_loss.h"
 #include "dsa/layout.h"
+#include "dsa/sparse_attention.h"
 #include "dsa/tensor.h"

@@ -64,4 +64,5 @@ NB_MODULE(_C, m) {
   dsa::python::register_indexer(m);
   dsa::python::register_kl_loss(m);
   dsa::python::register_compressor(m);
+  dsa::python::register_sparse_attention(m);
 }

@@ -9,8 +9,10 @@ the code it checks.
 from .compressor import naive_compressor  # noqa: F401
 from .indexer import *  # noqa: F401,F403
 from .indexer import __all__ as _indexer_all
+from .sparse_attention import naive_sparse_attention, oracle_sparse_attention  # noqa: F401
 from .kl_loss import (naive_attention_stats, naive_dense_indexer_kl_loss,  # noqa: F401
                       naive_dense_indexer_lse, naive_kl_loss, naive_sequences)
 
 __all__ = list(_indexer_all) + ["naive_compressor", "naive_attention_stats", "naive_dense_indexer_kl_loss",
-                                "naive_dense_indexer_lse", "naive_kl_loss", "naive_sequences"]
+                                "naive_dense_indexer_lse", "naive_kl_loss", "naive_sequences",
+                                "naive_sparse_attention", "oracle_sparse_attention"]

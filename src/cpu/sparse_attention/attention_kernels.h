@@ -1,0 +1,96 @@
+// Microkernels of the fused CPU sparse attention, one set per ISA.
+//
+// The driver (sparse_attention.cpp) decides *what* each query row attends and
+// hands the kernels lists of key-row pointers; the kernels do the math on
+// blocks of up to kKeyBlock gathered keys, sharing each gathered block across
+// all query heads (one KV head). Nothing here allocates: scratch comes from
+// the driver, sized by scratch_bytes().
+//
+// Conventions: a key is `dim` dims from its main row (kv or cmp_kv) followed
+// by `rope_dim` dims from its rope row (key_rope; absent for compressed keys,
+// which never carry a rope part); its value is the first d_v dims of the main
+// row. Logits are scale * q . k, softmax and accumulation in fp32.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "dsa/tensor.h"
+
+namespace dsa::cpu::attention_kernels {
+
+inline constexpr std::int64_t kKeyBlock = 32;  // keys gathered per block (forward, dq pass)
+inline constexpr std::int64_t kOwnerBlock = 256;  // key rows owned by one dkv task (<= 256: uint8 offsets)
+
+struct Shape {
+  DType dtype;
+  std::int64_t heads, dim, rope_dim, d_v;
+  float scale;
+  std::int64_t qk_dim() const { return dim + rope_dim; }
+};
+
+// Row pointers of gathered keys (storage dtype); rope[i] is null when rope_dim == 0.
+struct KeyRows {
+  const char* const* main;
+  const char* const* rope;
+  std::int64_t count;
+};
+
+// One query row: all heads of one token.
+struct QueryRow {
+  const char* q;  // head h at q + h * q_head_stride elements
+  std::int64_t q_head_stride;
+  const char* q_rope;  // null when rope_dim == 0
+  std::int64_t q_rope_head_stride;
+};
+
+// Per-head softmax constants of a row for the backward, from the forward's
+// statistics: P_h(j) = exp(l_j - max_h) * coef_h, and delta_h = dO_h . out_h.
+struct RowBackward {
+  const char* grad_out;  // head h at grad_out + h * go_head_stride elements
+  std::int64_t go_head_stride;
+  const float* max;    // [heads]
+  const float* coef;   // [heads]
+  const float* delta;  // [heads]
+  // Kernel-private per-row state that the dq pass writes and the dkv pass reads
+  // (packed_row_bytes() per row; null when the kernel needs none).
+  void* packed;
+};
+
+// One token's entries inside an owned key block (offsets into the block,
+// duplicates repeated), for the dkv pass.
+struct TokenEntries {
+  QueryRow query;
+  RowBackward row;
+  const std::uint8_t* offsets;
+  std::int64_t count;
+};
+
+struct AttentionKernel {
+  const char* name;
+  std::size_t (*scratch_bytes)(const Shape& shape);
+  // Bytes of per-row state the backward keeps between its two passes (0: none).
+  std::size_t (*packed_row_bytes)(const Shape& shape);
+  // Forward of one query row over `keys` (all of its attended set, in order).
+  // Writes out [heads][d_v] (storage dtype), max/sum [heads] (without sinks).
+  void (*forward_row)(const Shape& shape, const float* sinks, const QueryRow& query,
+                      const KeyRows& keys, void* scratch, void* out, float* max, float* sum);
+  // dq of one query row: writes d_query [heads][dim] and d_query_rope
+  // [heads][rope_dim] (storage dtype, contiguous).
+  void (*backward_query_row)(const Shape& shape, const QueryRow& query, const RowBackward& row,
+                             const KeyRows& keys, void* scratch, void* d_query, void* d_query_rope);
+  // dkv of one owned block of `block.count` (<= kOwnerBlock) key rows:
+  // accumulates every token's contribution in the given order and writes the
+  // block's rows of d_main [count][dim] and d_rope [count][rope_dim].
+  void (*backward_key_block)(const Shape& shape, const KeyRows& block, const TokenEntries* tokens,
+                             std::int64_t n_tokens, void* scratch, void* d_main, void* d_rope);
+};
+
+const AttentionKernel& portable_kernel();
+const AttentionKernel& avx2_kernel();
+const AttentionKernel& avx512_kernel();
+// AMX-BF16 for bf16 inputs: the forward and dq pass use tiles; returns the
+// avx512 entries where it has none of its own.
+const AttentionKernel& amx_kernel();
+
+}  // namespace dsa::cpu::attention_kernels

@@ -1,0 +1,797 @@
+// AMX-BF16 attention kernels (bf16 inputs): every GEMM of the forward and of
+// both backward passes runs on tiles; softmax and its gradient in fp32 AVX-512.
+//
+// Forward, per query row (all heads of one token), per block of kBlock keys:
+//   1. gather the keys' rows into a contiguous bf16 block Kb [kBlock][Dp]
+//      (Dp = qk dims padded to 32) and interleave their value dims into the
+//      VNNI pair layout Vv [kBlock/2][dv][2] that B tiles of P.V want;
+//   2. S^T [keys][heads] = Kb . Q^T: A tiles straight from Kb (rows = keys),
+//      B tiles from the query packed once per row in VNNI pairs of dims.
+//      Computing S^T rather than S keeps the gathered keys as A (no transpose
+//      of the wide key rows); only the small [keys][heads] block is transposed;
+//   3. online softmax in fp32, vectorised over heads, with a lazily updated
+//      reference max (rescale only when the max grows by more than kLazy, so
+//      the [heads][d_v] accumulator is rarely touched); P is transposed to
+//      bf16 [heads][keys] = the A tiles of
+//   4. O [heads][d_v] += P . V on tiles, accumulated in an fp32 buffer.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/numeric.h"
+#include "cpu/sparse_attention/attention_kernels.h"
+
+namespace dsa::cpu::attention_kernels {
+namespace {
+
+constexpr std::int64_t kBlock = 64;  // keys per block: two 32-key chunks of P.V per C tile load
+constexpr float kLazy = 8.0f;        // exp(8) ~ 3e3: P stays far from bf16 / fp32 limits
+
+std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+struct alignas(64) TileConfig {
+  std::uint8_t palette = 1;
+  std::uint8_t start_row = 0;
+  std::uint8_t reserved[14] = {};
+  std::uint16_t colsb[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.colsb[i] = 64;
+    cfg.rows[i] = 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+struct Dims {
+  std::int64_t hp, dp, dvp, groups, chunks, dv_groups;
+  explicit Dims(const Shape& s)
+      : hp(round_up(s.heads, 16)), dp(round_up(s.qk_dim(), 32)), dvp(round_up(s.d_v, 16)),
+        groups(hp / 16), chunks(dp / 32), dv_groups(dvp / 16) {}
+};
+
+struct Buffers {
+  std::uint16_t* qrow;  // [hp][dp]
+  std::uint16_t* qb;  // [chunks][groups][16 pairs][16 heads][2]
+  std::uint16_t* kb;  // [kBlock][dp]
+  std::uint16_t* vv;  // [kBlock / 2][dvp][2]
+  std::uint16_t* pa;  // [hp][kBlock]
+  float* s;           // [kBlock][hp]
+  float* o;           // [hp][dvp]
+  float* max;         // [hp] reference max the block sums are relative to
+  float* true_max;    // [hp]
+  float* sum;         // [hp]
+};
+
+std::size_t forward_bytes(const Dims& d) {
+  return static_cast<std::size_t>(2 * d.dp * d.hp * 2 + kBlock * d.dp * 2 + kBlock * d.dvp * 2 + d.hp * kBlock * 2 +
+                                  kBlock * d.hp * 4 + d.hp * d.dvp * 4 + 3 * d.hp * 4) +
+         11 * 64;
+}
+
+Buffers carve(void* scratch, const Dims& d) {
+  auto next = [p = static_cast<char*>(scratch)](std::size_t bytes) mutable {
+    char* at = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(p) + 63) & ~std::uintptr_t(63));
+    p = at + bytes;
+    return at;
+  };
+  Buffers b;
+  b.qrow = reinterpret_cast<std::uint16_t*>(next(d.dp * d.hp * 2));
+  b.qb = reinterpret_cast<std::uint16_t*>(next(d.dp * d.hp * 2));
+  b.kb = reinterpret_cast<std::uint16_t*>(next(kBlock * d.dp * 2));
+  b.vv = reinterpret_cast<std::uint16_t*>(next(kBlock * d.dvp * 2));
+  b.pa = reinterpret_cast<std::uint16_t*>(next(d.hp * kBlock * 2));
+  b.s = reinterpret_cast<float*>(next(kBlock * d.hp * 4));
+  b.o = reinterpret_cast<float*>(next(d.hp * d.dvp * 4));
+  b.max = reinterpret_cast<float*>(next(d.hp * 4));
+  b.true_max = reinterpret_cast<float*>(next(d.hp * 4));
+  b.sum = reinterpret_cast<float*>(next(d.hp * 4));
+  return b;
+}
+
+std::size_t row_scratch_bytes(const struct BackwardDims& d);
+std::size_t block_scratch_bytes(const struct BackwardDims& d);
+std::size_t amx_scratch_bytes(const Shape& s);
+
+// exp for the softmax; inputs are <= kLazy above the reference max.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// cols[c][r] = src[r][c] for a 16 x 16 block of 32-bit elements (pure data
+// movement, so it serves fp32 values and bf16 pairs alike).
+inline void transpose16(const float* src, std::int64_t src_stride, __m512 cols[16]) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  // r[4q + j] holds, per 128-bit lane k, column 4k + j of rows 4q .. 4q + 3.
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a0 = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88), a1 = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xdd);
+    const __m512 b0 = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88), b1 = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xdd);
+    cols[j] = _mm512_shuffle_f32x4(a0, b0, 0x88);
+    cols[j + 4] = _mm512_shuffle_f32x4(a1, b1, 0x88);
+    cols[j + 8] = _mm512_shuffle_f32x4(a0, b0, 0xdd);
+    cols[j + 12] = _mm512_shuffle_f32x4(a1, b1, 0xdd);
+  }
+}
+
+// dst[c][r] = src[r][c] for a 16 x 16 fp32 block, written as bf16.
+inline void transpose16_to_bf16(const float* src, std::int64_t src_stride, std::uint16_t* dst,
+                                std::int64_t dst_stride) {
+  __m512 cols[16];
+  transpose16(src, src_stride, cols);
+  for (int c = 0; c < 16; ++c)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * dst_stride), (__m256i)_mm512_cvtneps_pbh(cols[c]));
+}
+
+// rows [>= hp][cols_pad] bf16 (heads x dims) -> B tiles of pairs of dims x 16
+// heads: [cols_pad/32][hp/16][16 pairs][16 heads][2], one 16x16 transpose of
+// 32-bit pairs per tile.
+void pack_dim_pairs(const std::uint16_t* rows, std::int64_t cols_pad, const Dims& d, std::uint16_t* out) {
+  __m512 cols[16];
+  for (std::int64_t c = 0; c < cols_pad / 32; ++c)
+    for (std::int64_t g = 0; g < d.groups; ++g) {
+      transpose16(reinterpret_cast<const float*>(rows + g * 16 * cols_pad + c * 32), cols_pad / 2, cols);
+      auto* dst = reinterpret_cast<float*>(out + (c * d.groups + g) * 512);
+      for (int r = 0; r < 16; ++r) _mm512_storeu_ps(dst + r * 16, cols[r]);
+    }
+}
+
+// Query row -> contiguous [hp][dp] rows (query, rope, zero padding), then the
+// B tiles of S^T = K . Q^T: pairs of dims (rows) by 16 heads (cols).
+void pack_query(const Shape& s, const Dims& d, const QueryRow& q, std::uint16_t* qrow, std::uint16_t* qb) {
+  const auto* base = reinterpret_cast<const std::uint16_t*>(q.q);
+  const auto* rope = reinterpret_cast<const std::uint16_t*>(q.q_rope);
+  for (std::int64_t h = 0; h < d.hp; ++h) {
+    std::uint16_t* row = qrow + h * d.dp;
+    if (h < s.heads) {
+      std::memcpy(row, base + h * q.q_head_stride, s.dim * 2);
+      if (s.rope_dim) std::memcpy(row + s.dim, rope + h * q.q_rope_head_stride, s.rope_dim * 2);
+      std::memset(row + s.qk_dim(), 0, (d.dp - s.qk_dim()) * 2);
+    } else {
+      std::memset(row, 0, d.dp * 2);
+    }
+  }
+  pack_dim_pairs(qrow, d.dp, d, qb);
+}
+
+void interleave_rows(const std::uint16_t* a, const std::uint16_t* b, std::int64_t cols, std::int64_t cols_pad,
+                     std::uint16_t* out);
+
+// Gathers up to kBlock keys into Kb and the first `vcols` dims of each pair of
+// keys into the VNNI pair layout Vv [kBlock / 2][vpad][2].
+void gather_block(const Shape& s, const Dims& d, const KeyRows& keys, std::int64_t first, std::int64_t n,
+                  std::uint16_t* kb, std::uint16_t* vv, std::int64_t vcols, std::int64_t vpad) {
+  for (std::int64_t k = 0; k < kBlock; ++k) {
+    std::uint16_t* row = kb + k * d.dp;
+    if (k < n) {
+      std::memcpy(row, keys.main[first + k], s.dim * 2);
+      if (s.rope_dim) std::memcpy(row + s.dim, keys.rope[first + k], s.rope_dim * 2);
+      std::memset(row + s.qk_dim(), 0, (d.dp - s.qk_dim()) * 2);
+    } else {
+      std::memset(row, 0, d.dp * 2);
+    }
+  }
+  const std::int64_t pairs = (n + 1) / 2;
+  for (std::int64_t pr = 0; pr < kBlock / 2; ++pr) {
+    std::uint16_t* out = vv + pr * vpad * 2;
+    if (pr >= pairs) {
+      std::memset(out, 0, vpad * 4);
+      continue;
+    }
+    interleave_rows(kb + 2 * pr * d.dp, kb + (2 * pr + 1) * d.dp, vcols, vpad, out);
+  }
+}
+
+// out[2c] = a[c], out[2c + 1] = b[c] for c < cols, zeros up to cols_pad.
+void interleave_rows(const std::uint16_t* a, const std::uint16_t* b, std::int64_t cols, std::int64_t cols_pad,
+                     std::uint16_t* out) {
+  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                          37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi_idx = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24, 55, 23, 54,
+                                          22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  std::int64_t c = 0;
+  for (; c + 32 <= cols; c += 32) {
+    const __m512i va = _mm512_loadu_si512(a + c), vb = _mm512_loadu_si512(b + c);
+    _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(va, lo_idx, vb));
+    _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(va, hi_idx, vb));
+  }
+  for (; c < cols_pad; ++c) {
+    out[2 * c] = c < cols ? a[c] : 0;
+    out[2 * c + 1] = c < cols ? b[c] : 0;
+  }
+}
+
+void amx_forward_row(const Shape& s, const float* sinks, const QueryRow& query, const KeyRows& keys,
+                     void* scratch, void* out, float* max_out, float* sum_out) {
+  const Dims d(s);
+  const Buffers b = carve(scratch, d);
+  configure_tiles();
+  pack_query(s, d, query, b.qrow, b.qb);
+  std::memset(b.o, 0, d.hp * d.dvp * 4);
+  for (std::int64_t h = 0; h < d.hp; ++h) {
+    b.max[h] = b.true_max[h] = core::kNegInf;
+    b.sum[h] = 0.0f;
+  }
+  const int kb_stride = static_cast<int>(d.dp * 2), s_stride = static_cast<int>(d.hp * 4);
+  const int pa_stride = static_cast<int>(kBlock * 2), vv_stride = static_cast<int>(d.dvp * 4),
+            o_stride = static_cast<int>(d.dvp * 4);
+  const __m512 scale = _mm512_set1_ps(s.scale);
+
+  for (std::int64_t first = 0; first < keys.count; first += kBlock) {
+    const std::int64_t n = std::min(kBlock, keys.count - first);
+    gather_block(s, d, keys, first, n, b.kb, b.vv, s.d_v, d.dvp);
+    const std::int64_t key_tiles = (n + 15) / 16;
+
+    // S^T = Kb . Q^T, 2 key tiles x 2 head groups of C at a time.
+    for (std::int64_t kt = 0; kt < key_tiles; kt += 2) {
+      const bool two_k = kt + 1 < key_tiles;
+      for (std::int64_t g = 0; g < d.groups; g += 2) {
+        const bool two_g = g + 1 < d.groups;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (std::int64_t c = 0; c < d.chunks; ++c) {
+          _tile_loadd(4, b.kb + kt * 16 * d.dp + c * 32, kb_stride);
+          _tile_loadd(6, b.qb + (c * d.groups + g) * 512, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two_g) {
+            _tile_loadd(7, b.qb + (c * d.groups + g + 1) * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (two_k) {
+            _tile_loadd(5, b.kb + (kt + 1) * 16 * d.dp + c * 32, kb_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_g) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, b.s + kt * 16 * d.hp + g * 16, s_stride);
+        if (two_g) _tile_stored(1, b.s + kt * 16 * d.hp + (g + 1) * 16, s_stride);
+        if (two_k) {
+          _tile_stored(2, b.s + (kt + 1) * 16 * d.hp + g * 16, s_stride);
+          if (two_g) _tile_stored(3, b.s + (kt + 1) * 16 * d.hp + (g + 1) * 16, s_stride);
+        }
+      }
+    }
+
+    // Online softmax, 16 heads per vector.
+    for (std::int64_t g = 0; g < d.groups; ++g) {
+      __m512 block_max = _mm512_set1_ps(core::kNegInf);
+      for (std::int64_t k = 0; k < n; ++k) {
+        float* row = b.s + k * d.hp + g * 16;
+        const __m512 v = _mm512_mul_ps(_mm512_load_ps(row), scale);
+        _mm512_store_ps(row, v);
+        block_max = _mm512_max_ps(block_max, v);
+      }
+      alignas(64) float bm[16];
+      _mm512_store_ps(bm, block_max);
+      for (int l = 0; l < 16; ++l) {
+        const std::int64_t h = g * 16 + l;
+        b.true_max[h] = std::max(b.true_max[h], bm[l]);
+        if (bm[l] > b.max[h] + kLazy || (b.max[h] == core::kNegInf && bm[l] != core::kNegInf)) {
+          const float alpha = b.max[h] == core::kNegInf ? 0.0f : std::exp(b.max[h] - bm[l]);
+          b.sum[h] *= alpha;
+          float* orow = b.o + h * d.dvp;
+          for (std::int64_t c = 0; c < d.dvp; c += 16)
+            _mm512_store_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(orow + c), _mm512_set1_ps(alpha)));
+          b.max[h] = bm[l];
+        }
+      }
+      // A head whose reference max is still -inf has only -inf logits so far: p = 0.
+      const __m512 ref = _mm512_load_ps(b.max + g * 16);
+      const __mmask16 live = _mm512_cmp_ps_mask(ref, _mm512_set1_ps(core::kNegInf), _CMP_NEQ_OQ);
+      __m512 block_sum = _mm512_setzero_ps();
+      for (std::int64_t k = 0; k < kBlock; ++k) {
+        float* row = b.s + k * d.hp + g * 16;
+        __m512 p = _mm512_setzero_ps();
+        if (k < n) p = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(_mm512_load_ps(row), ref)));
+        _mm512_store_ps(row, p);
+        block_sum = _mm512_add_ps(block_sum, p);
+      }
+      _mm512_store_ps(b.sum + g * 16, _mm512_add_ps(_mm512_load_ps(b.sum + g * 16), block_sum));
+      for (std::int64_t kt = 0; kt < kBlock / 16; ++kt)
+        transpose16_to_bf16(b.s + kt * 16 * d.hp + g * 16, d.hp, b.pa + g * 16 * kBlock + kt * 16, kBlock);
+    }
+
+    // O += P . V, 2 head groups x 2 value column groups of C at a time.
+    const std::int64_t key_chunks = (n + 31) / 32;
+    for (std::int64_t g = 0; g < d.groups; g += 2) {
+      const bool two_g = g + 1 < d.groups;
+      for (std::int64_t j = 0; j < d.dv_groups; j += 2) {
+        const bool two_j = j + 1 < d.dv_groups;
+        float* o00 = b.o + g * 16 * d.dvp + j * 16;
+        _tile_loadd(0, o00, o_stride);
+        if (two_j) _tile_loadd(1, o00 + 16, o_stride);
+        if (two_g) {
+          _tile_loadd(2, o00 + 16 * d.dvp, o_stride);
+          if (two_j) _tile_loadd(3, o00 + 16 * d.dvp + 16, o_stride);
+        }
+        for (std::int64_t kc = 0; kc < key_chunks; ++kc) {
+          _tile_loadd(4, b.pa + g * 16 * kBlock + kc * 32, pa_stride);
+          _tile_loadd(6, b.vv + kc * 16 * d.dvp * 2 + j * 32, vv_stride);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two_j) {
+            _tile_loadd(7, b.vv + kc * 16 * d.dvp * 2 + (j + 1) * 32, vv_stride);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (two_g) {
+            _tile_loadd(5, b.pa + (g + 1) * 16 * kBlock + kc * 32, pa_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_j) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, o00, o_stride);
+        if (two_j) _tile_stored(1, o00 + 16, o_stride);
+        if (two_g) {
+          _tile_stored(2, o00 + 16 * d.dvp, o_stride);
+          if (two_j) _tile_stored(3, o00 + 16 * d.dvp + 16, o_stride);
+        }
+      }
+    }
+  }
+
+  auto* dst = static_cast<std::uint16_t*>(out);
+  for (std::int64_t h = 0; h < s.heads; ++h) {
+    const float m = b.true_max[h];
+    float* orow = b.o + h * d.dvp;
+    float f = 0.0f;
+    if (m != core::kNegInf) {
+      // Sums are relative to the reference max; the statistics to the true one.
+      const float to_true = std::exp(b.max[h] - m);
+      const float sum = b.sum[h] * to_true;
+      float scale_m = 1.0f, sink_term = 0.0f;
+      if (sinks && sinks[h] != core::kNegInf) {
+        const float top = std::max(m, sinks[h]);
+        scale_m = std::exp(m - top);
+        sink_term = std::exp(sinks[h] - top);
+      }
+      f = to_true * scale_m / (sum * scale_m + sink_term);
+      max_out[h] = m;
+      sum_out[h] = sum;
+    } else {
+      max_out[h] = core::kNegInf;
+      sum_out[h] = 0.0f;
+    }
+    std::int64_t c = 0;
+    const __m512 vf = _mm512_set1_ps(f);
+    for (; c + 16 <= s.d_v; c += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + h * s.d_v + c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(orow + c), vf)));
+    for (; c < s.d_v; ++c) dst[h * s.d_v + c] = core::float_to_bf16(orow[c] * f);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Backward on tiles.
+//
+// C [m_tiles * 16][n_groups * 16] (+)= A . B with the contraction in chunks of
+// 32 bf16 (VNNI pairs). A tile (mt, kc) at a + mt*16*a_stride + kc*32 (row
+// stride a_stride elements); B tile (kc, ng) at b + kc*b_chunk + ng*b_group
+// (row stride b_stride elements); C tile (mt, ng) at c + mt*16*c_stride + ng*16.
+//
+// A second product A2 . B2 (same strides as the first, k2_chunks deep) is
+// added to the column groups ng < n2_groups while their C tiles are resident:
+// the dkv pass adds its value part P^T.dO to the key part dS^T.Q that way.
+void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m_tiles, std::int64_t n_groups,
+                const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
+                std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks, std::int64_t n2_groups,
+                const std::uint16_t* a2, const std::uint16_t* b2, std::int64_t b2_stride, std::int64_t b2_chunk,
+                std::int64_t k2_chunks) {
+  const int cs = static_cast<int>(c_stride * 4), as = static_cast<int>(a_stride * 2), bs = static_cast<int>(b_stride * 2);
+  const int b2s = static_cast<int>(b2_stride * 2);
+  for (std::int64_t mt = 0; mt < m_tiles; mt += 2) {
+    const bool two_m = mt + 1 < m_tiles;
+    for (std::int64_t ng = 0; ng < n_groups; ng += 2) {
+      const bool two_n = ng + 1 < n_groups;
+      float* c00 = c + mt * 16 * c_stride + ng * 16;
+      float* c10 = c00 + 16 * c_stride;
+      if (accumulate) {
+        _tile_loadd(0, c00, cs);
+        if (two_n) _tile_loadd(1, c00 + 16, cs);
+        if (two_m) _tile_loadd(2, c10, cs);
+        if (two_m && two_n) _tile_loadd(3, c10 + 16, cs);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (std::int64_t kc = 0; kc < k_chunks; ++kc) {
+        _tile_loadd(4, a + mt * 16 * a_stride + kc * 32, as);
+        _tile_loadd(6, b + kc * b_chunk + ng * b_group, bs);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_n) {
+          _tile_loadd(7, b + kc * b_chunk + (ng + 1) * b_group, bs);
+          _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_m) {
+          _tile_loadd(5, a + (mt + 1) * 16 * a_stride + kc * 32, as);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two_n) _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      if (ng < n2_groups) {
+        const bool two_n2 = ng + 1 < n2_groups;
+        for (std::int64_t kc = 0; kc < k2_chunks; ++kc) {
+          _tile_loadd(4, a2 + mt * 16 * a_stride + kc * 32, as);
+          _tile_loadd(6, b2 + kc * b2_chunk + ng * b_group, b2s);
+          _tile_dpbf16ps(0, 4, 6);
+          if (two_n2) {
+            _tile_loadd(7, b2 + kc * b2_chunk + (ng + 1) * b_group, b2s);
+            _tile_dpbf16ps(1, 4, 7);
+          }
+          if (two_m) {
+            _tile_loadd(5, a2 + (mt + 1) * 16 * a_stride + kc * 32, as);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_n2) _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+      }
+      _tile_stored(0, c00, cs);
+      if (two_n) _tile_stored(1, c00 + 16, cs);
+      if (two_m) _tile_stored(2, c10, cs);
+      if (two_m && two_n) _tile_stored(3, c10 + 16, cs);
+    }
+  }
+}
+
+void tile_gemm(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m_tiles, std::int64_t n_groups,
+               const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
+               std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks) {
+  tile_gemm2(accumulate, c, c_stride, m_tiles, n_groups, a, a_stride, b, b_stride, b_chunk, b_group, k_chunks, 0,
+             nullptr, nullptr, 0, 0, 0);
+}
+
+// Per-row operands packed by the dq pass and reused by the dkv pass:
+//   qb1 [dp/32][hp/16][16][16][2]   query, pairs of dims x heads   (B of K.Q^T)
+//   db1 [dvq/32][hp/16][16][16][2]  grad_out, pairs of dims x heads (B of V.dO^T)
+//   qb2 [hq/2][dp][2]               query, pairs of heads x dims   (B of dS^T.Q)
+//   db2 [hq/2][dvp][2]              grad_out, pairs of heads x dims (B of P^T.dO)
+struct BackwardDims : Dims {
+  std::int64_t hq, dvq;
+  explicit BackwardDims(const Shape& s) : Dims(s), hq(round_up(s.heads, 32)), dvq(round_up(s.d_v, 32)) {}
+  std::size_t qb1() const { return dp * hp * 2; }
+  std::size_t db1() const { return dvq * hp * 2; }
+  std::size_t qb2() const { return hq * dp * 2; }
+  std::size_t db2() const { return hq * dvp * 2; }
+  std::size_t packed() const { return round_up(qb1() + db1() + qb2() + db2(), 64); }
+};
+
+struct PackedRow {
+  std::uint16_t *qb1, *db1, *qb2, *db2;
+  PackedRow(void* base, const BackwardDims& d) {
+    auto* p = static_cast<std::uint16_t*>(base);
+    qb1 = p;
+    db1 = qb1 + d.qb1() / 2;
+    qb2 = db1 + d.db1() / 2;
+    db2 = qb2 + d.qb2() / 2;
+  }
+};
+
+std::size_t amx_packed_row_bytes(const Shape& s) { return BackwardDims(s).packed(); }
+
+struct RowScratch {
+  std::uint16_t* qrow;  // [hq][dp]
+  std::uint16_t* drow;  // [hq][dvq]
+  std::uint16_t* kb;    // [kBlock][dp]
+  std::uint16_t* kv;    // [kBlock / 2][dp][2]
+  float* s;             // [kBlock][hp]
+  float* dpb;           // [kBlock][hp]
+  std::uint16_t* dsa;   // [hp][kBlock]
+  float* dq;            // [hp][dp]
+  float *mx, *cf, *dl;  // [hp]
+};
+
+std::size_t row_scratch_bytes(const BackwardDims& d) {
+  return static_cast<std::size_t>(d.hq * d.dp * 2 + d.hq * d.dvq * 2 + kBlock * d.dp * 2 + kBlock * d.dp * 2 +
+                                  2 * kBlock * d.hp * 4 + d.hp * kBlock * 2 + d.hp * d.dp * 4 + 3 * d.hp * 4) +
+         12 * 64;
+}
+
+template <class T>
+T* take(char*& p, std::size_t bytes) {
+  char* at = reinterpret_cast<char*>((reinterpret_cast<std::uintptr_t>(p) + 63) & ~std::uintptr_t(63));
+  p = at + bytes;
+  return reinterpret_cast<T*>(at);
+}
+
+RowScratch carve_row(void* scratch, const BackwardDims& d) {
+  char* p = static_cast<char*>(scratch);
+  RowScratch r;
+  r.qrow = take<std::uint16_t>(p, d.hq * d.dp * 2);
+  r.drow = take<std::uint16_t>(p, d.hq * d.dvq * 2);
+  r.kb = take<std::uint16_t>(p, kBlock * d.dp * 2);
+  r.kv = take<std::uint16_t>(p, kBlock * d.dp * 2);
+  r.s = take<float>(p, kBlock * d.hp * 4);
+  r.dpb = take<float>(p, kBlock * d.hp * 4);
+  r.dsa = take<std::uint16_t>(p, d.hp * kBlock * 2);
+  r.dq = take<float>(p, d.hp * d.dp * 4);
+  r.mx = take<float>(p, d.hp * 4);
+  r.cf = take<float>(p, d.hp * 4);
+  r.dl = take<float>(p, d.hp * 4);
+  return r;
+}
+
+// Softmax constants padded to hp heads: padded heads behave as empty (p = 0).
+void load_constants(const Shape& s, const Dims& d, const RowBackward& row, float* mx, float* cf, float* dl) {
+  for (std::int64_t h = 0; h < d.hp; ++h) {
+    const bool real = h < s.heads;
+    mx[h] = real ? row.max[h] : core::kNegInf;
+    cf[h] = real ? row.coef[h] : 0.0f;
+    dl[h] = real ? row.delta[h] : 0.0f;
+  }
+}
+
+// p = exp(scale * s - max) * coef and ds = p * (dp - delta), 16 heads at a time.
+inline void softmax_grad(__m512 s, __m512 dp, __m512 scale, __m512 mx, __m512 cf, __m512 dl, __mmask16 live,
+                         __m512& p, __m512& ds) {
+  p = _mm512_maskz_mov_ps(live, _mm512_mul_ps(exp512(_mm512_fmsub_ps(s, scale, mx)), cf));
+  ds = _mm512_mul_ps(p, _mm512_sub_ps(dp, dl));
+}
+
+void amx_backward_query_row(const Shape& s, const QueryRow& query, const RowBackward& row, const KeyRows& keys,
+                            void* scratch, void* d_query, void* d_query_rope) {
+  const BackwardDims d(s);
+  const RowScratch r = carve_row(scratch, d);
+  const PackedRow pk(row.packed, d);
+  configure_tiles();
+  // Contiguous [heads][dims] copies of the row's query (+ rope) and grad_out.
+  const auto* q = reinterpret_cast<const std::uint16_t*>(query.q);
+  const auto* qr = reinterpret_cast<const std::uint16_t*>(query.q_rope);
+  const auto* go = reinterpret_cast<const std::uint16_t*>(row.grad_out);
+  for (std::int64_t h = 0; h < d.hq; ++h) {
+    std::uint16_t* qd = r.qrow + h * d.dp;
+    std::uint16_t* gd = r.drow + h * d.dvq;
+    if (h < s.heads) {
+      std::memcpy(qd, q + h * query.q_head_stride, s.dim * 2);
+      if (s.rope_dim) std::memcpy(qd + s.dim, qr + h * query.q_rope_head_stride, s.rope_dim * 2);
+      std::memset(qd + s.qk_dim(), 0, (d.dp - s.qk_dim()) * 2);
+      std::memcpy(gd, go + h * row.go_head_stride, s.d_v * 2);
+      std::memset(gd + s.d_v, 0, (d.dvq - s.d_v) * 2);
+    } else {
+      std::memset(qd, 0, d.dp * 2);
+      std::memset(gd, 0, d.dvq * 2);
+    }
+  }
+  pack_dim_pairs(r.qrow, d.dp, d, pk.qb1);
+  pack_dim_pairs(r.drow, d.dvq, d, pk.db1);
+  for (std::int64_t pr = 0; pr < d.hq / 2; ++pr) {
+    interleave_rows(r.qrow + 2 * pr * d.dp, r.qrow + (2 * pr + 1) * d.dp, d.dp, d.dp, pk.qb2 + pr * d.dp * 2);
+    interleave_rows(r.drow + 2 * pr * d.dvq, r.drow + (2 * pr + 1) * d.dvq, s.d_v, d.dvp, pk.db2 + pr * d.dvp * 2);
+  }
+  load_constants(s, d, row, r.mx, r.cf, r.dl);
+  std::memset(r.dq, 0, d.hp * d.dp * 4);
+  const __m512 scale = _mm512_set1_ps(s.scale);
+
+  for (std::int64_t first = 0; first < keys.count; first += kBlock) {
+    const std::int64_t n = std::min(kBlock, keys.count - first);
+    gather_block(s, d, keys, first, n, r.kb, r.kv, d.dp, d.dp);
+    const std::int64_t key_tiles = (n + 15) / 16;
+    tile_gemm(false, r.s, d.hp, key_tiles, d.groups, r.kb, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
+    tile_gemm(false, r.dpb, d.hp, key_tiles, d.groups, r.kb, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
+    for (std::int64_t g = 0; g < d.groups; ++g) {
+      const __m512 mx = _mm512_load_ps(r.mx + g * 16), cf = _mm512_load_ps(r.cf + g * 16),
+                   dl = _mm512_load_ps(r.dl + g * 16);
+      const __mmask16 live = _mm512_cmp_ps_mask(mx, _mm512_set1_ps(core::kNegInf), _CMP_NEQ_OQ);
+      for (std::int64_t k = 0; k < kBlock; ++k) {
+        float* srow = r.s + k * d.hp + g * 16;
+        __m512 p, ds = _mm512_setzero_ps();
+        if (k < n)
+          softmax_grad(_mm512_load_ps(srow), _mm512_load_ps(r.dpb + k * d.hp + g * 16), scale, mx, cf, dl, live, p, ds);
+        _mm512_store_ps(srow, ds);
+      }
+      for (std::int64_t kt = 0; kt < kBlock / 16; ++kt)
+        transpose16_to_bf16(r.s + kt * 16 * d.hp + g * 16, d.hp, r.dsa + g * 16 * kBlock + kt * 16, kBlock);
+    }
+    tile_gemm(true, r.dq, d.dp, d.groups, d.dp / 16, r.dsa, kBlock, r.kv, d.dp * 2, 16 * d.dp * 2, 32, (n + 31) / 32);
+  }
+  auto* dq_out = static_cast<std::uint16_t*>(d_query);
+  auto* dqr_out = static_cast<std::uint16_t*>(d_query_rope);
+  for (std::int64_t h = 0; h < s.heads; ++h) {
+    const float* acc = r.dq + h * d.dp;
+    for (std::int64_t k = 0; k < s.dim; ++k) dq_out[h * s.dim + k] = core::float_to_bf16(acc[k] * s.scale);
+    for (std::int64_t k = 0; k < s.rope_dim; ++k)
+      dqr_out[h * s.rope_dim + k] = core::float_to_bf16(acc[s.dim + k] * s.scale);
+  }
+}
+
+struct BlockScratch {
+  std::uint16_t* kbb;  // [kOwnedRows][dp]: the owned keys, zero rows past the block
+  std::uint16_t* ke;   // [32][dp]: gathered entries when they are not a contiguous run
+  float* acc;          // [kOwnedRows][dp]
+  float* tmp;          // [32][dp]
+  float* s;            // [kOwnerBlock][hp]
+  float* dpb;          // [kOwnerBlock][hp]
+  std::uint16_t* pa;   // [kOwnerBlock][hq]
+  std::uint16_t* dsa;  // [kOwnerBlock][hq]
+  float *mx, *cf, *dl;
+  __mmask16* live;     // [hp / 16]: heads with a finite max
+};
+
+// Owned rows plus one 32-entry chunk of overrun: a contiguous run starting at
+// any offset reads (and adds exact zeros to) rows past the block.
+constexpr std::int64_t kOwnedRows = kOwnerBlock + 32;
+constexpr std::int64_t kSub = 64;  // keys per tile pass of the dkv kernel
+static_assert(kOwnerBlock % kSub == 0 && kOwnerBlock <= 256, "offsets are uint8 and sub-blocks tile the block");
+
+std::size_t block_scratch_bytes(const BackwardDims& d) {
+  return static_cast<std::size_t>(kOwnedRows * d.dp * 2 + 32 * d.dp * 2 + kOwnedRows * d.dp * 4 + 32 * d.dp * 4 +
+                                  2 * kSub * d.hp * 4 + 2 * kSub * d.hq * 2 + 3 * d.hp * 4 + d.hp) +
+         13 * 64;
+}
+
+BlockScratch carve_block(void* scratch, const BackwardDims& d) {
+  char* p = static_cast<char*>(scratch);
+  BlockScratch b;
+  b.kbb = take<std::uint16_t>(p, kOwnedRows * d.dp * 2);
+  b.ke = take<std::uint16_t>(p, 32 * d.dp * 2);
+  b.acc = take<float>(p, kOwnedRows * d.dp * 4);
+  b.tmp = take<float>(p, 32 * d.dp * 4);
+  b.s = take<float>(p, kSub * d.hp * 4);
+  b.dpb = take<float>(p, kSub * d.hp * 4);
+  b.pa = take<std::uint16_t>(p, kSub * d.hq * 2);
+  b.dsa = take<std::uint16_t>(p, kSub * d.hq * 2);
+  b.mx = take<float>(p, d.hp * 4);
+  b.cf = take<float>(p, d.hp * 4);
+  b.dl = take<float>(p, d.hp * 4);
+  b.live = take<__mmask16>(p, d.hp);
+  return b;
+}
+
+void amx_backward_key_block(const Shape& s, const KeyRows& block, const TokenEntries* tokens, std::int64_t n_tokens,
+                            void* scratch, void* d_main, void* d_rope) {
+  const BackwardDims d(s);
+  const BlockScratch b = carve_block(scratch, d);
+  configure_tiles();
+  for (std::int64_t k = 0; k < kOwnedRows; ++k) {
+    std::uint16_t* row = b.kbb + k * d.dp;
+    if (k < block.count) {
+      std::memcpy(row, block.main[k], s.dim * 2);
+      if (s.rope_dim) std::memcpy(row + s.dim, block.rope[k], s.rope_dim * 2);
+      std::memset(row + s.qk_dim(), 0, (d.dp - s.qk_dim()) * 2);
+    } else {
+      std::memset(row, 0, d.dp * 2);
+    }
+  }
+  std::memset(b.acc, 0, kOwnedRows * d.dp * 4);
+  std::memset(b.ke, 0, 32 * d.dp * 2);
+  const __m512 scale = _mm512_set1_ps(s.scale);
+  // P^T and dS^T rows (bf16, scaled by weight(e); rows >= valid are zero) for
+  // the S^T / dP^T rows in b.s / b.dpb.
+  auto epilogue = [&](std::int64_t rows, std::int64_t valid, auto&& weight) {
+    for (std::int64_t e = 0; e < rows; ++e) {
+      std::uint16_t* prow = b.pa + e * d.hq;
+      std::uint16_t* drow = b.dsa + e * d.hq;
+      const float w = e < valid ? weight(e) : 0.0f;
+      const __m512 vw = _mm512_set1_ps(w), vws = _mm512_set1_ps(w * s.scale);
+      for (std::int64_t g = 0; g < d.groups; ++g) {
+        __m512 p = _mm512_setzero_ps(), ds = _mm512_setzero_ps();
+        if (w != 0.0f)
+          softmax_grad(_mm512_load_ps(b.s + e * d.hp + g * 16), _mm512_load_ps(b.dpb + e * d.hp + g * 16), scale,
+                       _mm512_load_ps(b.mx + g * 16), _mm512_load_ps(b.cf + g * 16),
+                       _mm512_load_ps(b.dl + g * 16), b.live[g], p, ds);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + g * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, vw)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(drow + g * 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(ds, vws)));
+      }
+      for (std::int64_t h = d.hp; h < d.hq; ++h) prow[h] = drow[h] = 0;
+    }
+  };
+  // The owned block is processed in sub-blocks of kSub keys, token by token,
+  // so a token's packed operands are read once per owned block (not once per
+  // sub-block) while the per-token tile work stays kSub keys wide.
+  float weights[kOwnerBlock];
+  std::uint8_t chunk[32];
+  for (std::int64_t t = 0; t < n_tokens; ++t) {
+    const TokenEntries& tok = tokens[t];
+    const PackedRow pk(tok.row.packed, d);
+    load_constants(s, d, tok.row, b.mx, b.cf, b.dl);
+    for (std::int64_t g = 0; g < d.groups; ++g)
+      b.live[g] = _mm512_cmp_ps_mask(_mm512_load_ps(b.mx + g * 16), _mm512_set1_ps(core::kNegInf), _CMP_NEQ_OQ);
+    std::int64_t per_sub[kOwnerBlock / kSub] = {};
+    std::fill(weights, weights + kOwnerBlock, 0.0f);
+    for (std::int64_t e = 0; e < tok.count; ++e) {
+      weights[tok.offsets[e]] += 1.0f;
+      ++per_sub[tok.offsets[e] / kSub];
+    }
+    for (std::int64_t sb = 0; sb * kSub < block.count; ++sb) {
+      const std::int64_t count = per_sub[sb];
+      if (count == 0) continue;
+      const std::int64_t base = sb * kSub, rows = std::min(kSub, block.count - base);
+      if (2 * count >= rows) {
+        // Dense over the sub-block: every key once, weighted by how often the
+        // token lists it (0 for keys it does not attend). No gathers, no scatter.
+        const std::int64_t m_tiles = (rows + 15) / 16;
+        const std::uint16_t* a = b.kbb + base * d.dp;
+        tile_gemm(false, b.s, d.hp, m_tiles, d.groups, a, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
+        tile_gemm(false, b.dpb, d.hp, m_tiles, d.groups, a, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
+        epilogue(m_tiles * 16, rows, [&](std::int64_t e) { return weights[base + e]; });
+        tile_gemm2(true, b.acc + base * d.dp, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2,
+                   16 * d.dp * 2, 32, d.hq / 32, d.dvp / 16, b.pa, pk.db2, d.dvp * 2, 16 * d.dvp * 2, d.hq / 32);
+        continue;
+      }
+      // Sparse: the token's entries in this sub-block, in list order, 32 at a time.
+      std::int64_t scan = 0;
+      while (scan < tok.count) {
+        std::int64_t ne = 0;
+        for (; scan < tok.count && ne < 32; ++scan)
+          if (tok.offsets[scan] / kSub == sb) chunk[ne++] = tok.offsets[scan];
+        if (ne == 0) break;
+        const std::uint8_t* off = chunk;
+        bool run = true;
+        for (std::int64_t i = 1; i < ne && run; ++i) run = off[i] == off[0] + i;
+        const std::uint16_t* a;
+        if (run) {
+          a = b.kbb + off[0] * d.dp;  // rows past the run are other keys or zeros: masked below
+        } else {
+          for (std::int64_t i = 0; i < ne; ++i) std::memcpy(b.ke + i * d.dp, b.kbb + off[i] * d.dp, d.dp * 2);
+          a = b.ke;
+        }
+        const std::int64_t m_tiles = (ne + 15) / 16;
+        tile_gemm(false, b.s, d.hp, m_tiles, d.groups, a, d.dp, pk.qb1, 32, d.groups * 512, 512, d.chunks);
+        tile_gemm(false, b.dpb, d.hp, m_tiles, d.groups, a, d.dp, pk.db1, 32, d.groups * 512, 512, d.dvq / 32);
+        epilogue(m_tiles * 16, ne, [](std::int64_t) { return 1.0f; });
+        // dK rows += dS^T . Q (all dims) and dV rows += P^T . dO (value dims).
+        float* c = run ? b.acc + off[0] * d.dp : b.tmp;
+        tile_gemm2(run, c, d.dp, m_tiles, d.dp / 16, b.dsa, d.hq, pk.qb2, d.dp * 2, 16 * d.dp * 2, 32, d.hq / 32,
+                   d.dvp / 16, b.pa, pk.db2, d.dvp * 2, 16 * d.dvp * 2, d.hq / 32);
+        if (!run)
+          for (std::int64_t i = 0; i < ne; ++i) {
+            float* dst = b.acc + off[i] * d.dp;
+            const float* src = b.tmp + i * d.dp;
+            for (std::int64_t k = 0; k < d.dp; k += 16)
+              _mm512_store_ps(dst + k, _mm512_add_ps(_mm512_load_ps(dst + k), _mm512_load_ps(src + k)));
+          }
+      }
+    }
+  }
+  auto* dm = static_cast<std::uint16_t*>(d_main);
+  auto* dr = static_cast<std::uint16_t*>(d_rope);
+  for (std::int64_t k = 0; k < block.count; ++k) {
+    const float* acc = b.acc + k * d.dp;
+    for (std::int64_t j = 0; j < s.dim; ++j) dm[k * s.dim + j] = core::float_to_bf16(acc[j]);
+    for (std::int64_t j = 0; j < s.rope_dim; ++j) dr[k * s.rope_dim + j] = core::float_to_bf16(acc[s.dim + j]);
+  }
+}
+
+std::size_t amx_scratch_bytes(const Shape& s) {
+  const BackwardDims d(s);
+  return std::max({forward_bytes(d), row_scratch_bytes(d), block_scratch_bytes(d), avx512_kernel().scratch_bytes(s)});
+}
+
+}  // namespace
+
+const AttentionKernel& amx_kernel() {
+  static const AttentionKernel kernel{"amx", amx_scratch_bytes, amx_packed_row_bytes, amx_forward_row,
+                                      amx_backward_query_row, amx_backward_key_block};
+  return kernel;
+}
+
+}  // namespace dsa::cpu::attention_kernels

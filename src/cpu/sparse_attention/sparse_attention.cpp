@@ -1,0 +1,454 @@
+// Fused CPU sparse attention: the driver. It resolves each query row's
+// attended set into key-row pointers and hands blocks of them to the ISA's
+// microkernels (attention_kernels.h). See docs/sparse_attention.md.
+//
+// Forward: tasks of a few query rows; each row streams its attended keys in
+// blocks with an online softmax. Nothing of size [T, S] or [T, H, K] exists.
+//
+// Backward, deterministic for any thread count, in three phases:
+//   1. per query row (parallel over rows): the softmax constants from the saved
+//      statistics (coef, delta), the row's dsink terms, and dq/dq_rope;
+//   2. per owned block of kOwnerBlock key rows (parallel over blocks): every
+//      token that attends a key of the block, in ascending token order,
+//      contributes to the block's fp32 accumulator, which is then written to
+//      dkv / dkey_rope / dcmp_kv. Each key row has exactly one owner task and a
+//      fixed summation order, so no result depends on scheduling;
+//   3. dsinks: the per-row terms summed in row order.
+// Phase 2 recomputes the logits and dP that phase 1 also computed: two extra
+// GEMMs per attended pair buy determinism without atomics or O(T*K*D) buffers.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/numeric.h"
+#include "core/thread_pool.h"
+#include "cpu/sparse_attention/attention_kernels.h"
+#include "ops/sparse_attention.h"
+
+namespace dsa::cpu {
+namespace {
+
+using namespace attention_kernels;
+
+constexpr std::int64_t kRowsPerTask = 4;
+
+const AttentionKernel& pick_kernel(DType dtype) {
+  switch (core::cpu_isa()) {
+    case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
+    case core::Isa::avx512: return avx512_kernel();
+    case core::Isa::avx2: return avx2_kernel();
+    default: return portable_kernel();
+  }
+}
+
+Shape shape_of(const SparseAttentionProblem& p) {
+  return Shape{p.dtype, p.heads, p.dim, p.rope_dim, p.d_v, p.scale};
+}
+
+struct RowTask {
+  std::int64_t seq, first, rows, cost;
+};
+
+// Row tasks of every sequence, longest first (balance; never changes results).
+std::vector<RowTask> row_tasks(const SparseAttentionProblem& p) {
+  std::vector<RowTask> tasks;
+  for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
+    const auto& seq = p.plan.seqs[b];
+    for (std::int64_t first = 0; first < seq.q_len; first += kRowsPerTask) {
+      const std::int64_t rows = std::min(kRowsPerTask, seq.q_len - first);
+      const auto w = p.row_window(seq, first + rows - 1);
+      const std::int64_t raw = p.indices ? p.topk : w.pos - w.raw_lo + 1;
+      const std::int64_t cmp = p.cmp_kv ? (p.cmp_indices ? p.cmp_topk : w.cmp_visible) : 0;
+      tasks.push_back({b, first, rows, rows * (raw + cmp + 1)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const RowTask& a, const RowTask& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
+// The most keys any query row can attend: the size of a row's pointer list.
+std::int64_t max_attended(const SparseAttentionProblem& p) {
+  std::int64_t max_k = 0, max_c = 0;
+  for (const auto& s : p.plan.seqs) {
+    max_k = std::max(max_k, s.k_len);
+    max_c = std::max(max_c, s.c_len);
+  }
+  std::int64_t raw = p.indices ? p.topk : (p.window > 0 ? std::min(p.window, max_k) : max_k);
+  std::int64_t cmp = p.cmp_kv ? (p.cmp_indices ? p.cmp_topk : max_c) : 0;  // duplicates count
+  return raw + cmp;
+}
+
+struct RowPointers {
+  std::vector<const char*> main, rope;
+};
+
+// Builds the attended key rows of query i of `seq`, in spec order: raw part
+// (indices as given, or the band ascending), then the compressed part.
+KeyRows gather_row(const SparseAttentionProblem& p, const core::SequenceSlice& seq, std::int64_t i,
+                   RowPointers& ptrs) {
+  const std::size_t es = dtype_size(p.dtype);
+  const char* kv = static_cast<const char*>(p.kv);
+  const char* kr = static_cast<const char*>(p.key_rope);
+  const char* ckv = static_cast<const char*>(p.cmp_kv);
+  const std::int64_t row = seq.q_begin + i;
+  const auto w = p.row_window(seq, i);
+  std::int64_t n = 0;
+  auto add_raw = [&](std::int64_t j) {
+    const std::int64_t r = seq.k_begin + j;
+    ptrs.main[n] = kv + r * p.kv_row_stride * es;
+    ptrs.rope[n++] = kr ? kr + r * p.kr_row_stride * es : nullptr;
+  };
+  if (p.indices) {
+    const std::int32_t* idx = p.indices + row * p.idx_row_stride;
+    for (std::int64_t k = 0; k < p.topk; ++k) {
+      const std::int64_t j = idx[k];
+      if (j >= 0 && j < seq.k_len && j <= w.pos) add_raw(j);
+    }
+  } else {
+    for (std::int64_t j = w.raw_lo; j <= w.pos; ++j) add_raw(j);
+  }
+  if (ckv) {
+    auto add_cmp = [&](std::int64_t c) {
+      ptrs.main[n] = ckv + (seq.c_begin + c) * p.cmp_row_stride * es;
+      ptrs.rope[n++] = nullptr;
+    };
+    if (p.cmp_indices) {
+      const std::int32_t* idx = p.cmp_indices + row * p.cidx_row_stride;
+      for (std::int64_t k = 0; k < p.cmp_topk; ++k) {
+        const std::int64_t c = idx[k];
+        if (c >= 0 && c < seq.c_len && c < w.cmp_visible) add_cmp(c);
+      }
+    } else {
+      for (std::int64_t c = 0; c < w.cmp_visible; ++c) add_cmp(c);
+    }
+  }
+  return KeyRows{ptrs.main.data(), ptrs.rope.data(), n};
+}
+
+QueryRow query_row(const SparseAttentionProblem& p, std::int64_t row) {
+  const std::size_t es = dtype_size(p.dtype);
+  QueryRow q;
+  q.q = static_cast<const char*>(p.query) + row * p.q_row_stride * es;
+  q.q_head_stride = p.q_head_stride;
+  q.q_rope = p.query_rope ? static_cast<const char*>(p.query_rope) + row * p.qr_row_stride * es : nullptr;
+  q.q_rope_head_stride = p.qr_head_stride;
+  return q;
+}
+
+struct Scratch {
+  std::vector<std::uint8_t> bytes;
+  RowPointers ptrs;
+  void* aligned() {
+    return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(bytes.data()) + 63) & ~std::uintptr_t(63));
+  }
+};
+
+std::vector<Scratch> make_scratch(int threads, std::size_t bytes, std::int64_t pointers) {
+  std::vector<Scratch> s(threads);
+  for (auto& t : s) {
+    t.bytes.resize(bytes + 64);
+    t.ptrs.main.resize(std::max<std::int64_t>(pointers, 1));
+    t.ptrs.rope.resize(std::max<std::int64_t>(pointers, 1));
+  }
+  return s;
+}
+
+// Key rows owned by one dkv task: rows [first, first + count) of sequence
+// `seq`'s raw keys (compressed == false) or compressed entries.
+struct OwnerBlock {
+  bool compressed;
+  std::int64_t seq, first, count;
+};
+
+// Explicit index lists inverted by owner block: bucket b holds (row, offset)
+// pairs in ascending row order, then index slot order (a counting sort).
+struct InvertedIndex {
+  std::vector<std::int64_t> start;  // [blocks + 1]
+  std::vector<std::int32_t> rows;
+  std::vector<std::uint8_t> offsets;
+};
+
+InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std::vector<std::int64_t>& block_base) {
+  InvertedIndex inv;
+  const std::int64_t blocks = block_base.back();
+  inv.start.assign(blocks + 1, 0);
+  const std::int32_t* indices = compressed ? p.cmp_indices : p.indices;
+  const std::int64_t stride = compressed ? p.cidx_row_stride : p.idx_row_stride;
+  const std::int64_t k_count = compressed ? p.cmp_topk : p.topk;
+  auto for_each_valid = [&](auto&& visit) {
+    for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
+      const auto& seq = p.plan.seqs[b];
+      for (std::int64_t i = 0; i < seq.q_len; ++i) {
+        const std::int64_t row = seq.q_begin + i;
+        const auto w = p.row_window(seq, i);
+        const std::int32_t* idx = indices + row * stride;
+        for (std::int64_t k = 0; k < k_count; ++k) {
+          const std::int64_t j = idx[k];
+          const bool valid = compressed ? (j >= 0 && j < seq.c_len && j < w.cmp_visible)
+                                        : (j >= 0 && j < seq.k_len && j <= w.pos);
+          if (valid) visit(block_base[b] + j / kOwnerBlock, row, j % kOwnerBlock);
+        }
+      }
+    }
+  };
+  for_each_valid([&](std::int64_t block, std::int64_t, std::int64_t) { ++inv.start[block + 1]; });
+  for (std::int64_t b = 0; b < blocks; ++b) inv.start[b + 1] += inv.start[b];
+  inv.rows.resize(inv.start.back());
+  inv.offsets.resize(inv.start.back());
+  std::vector<std::int64_t> fill(inv.start.begin(), inv.start.end() - 1);
+  for_each_valid([&](std::int64_t block, std::int64_t row, std::int64_t offset) {
+    const std::int64_t at = fill[block]++;
+    inv.rows[at] = static_cast<std::int32_t>(row);
+    inv.offsets[at] = static_cast<std::uint8_t>(offset);
+  });
+  return inv;
+}
+
+// dO . out of one head, in fp32 with 8 independent partial sums (vectorisable).
+float row_dot(const char* a, const char* b, DType dtype, std::int64_t n) {
+  float acc[8] = {};
+  auto run = [&](auto load) {
+    std::int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+      for (int l = 0; l < 8; ++l) acc[l] += load(a, i + l) * load(b, i + l);
+    for (; i < n; ++i) acc[0] += load(a, i) * load(b, i);
+  };
+  switch (dtype) {
+    case DType::bf16:
+      run([](const char* p, std::int64_t i) {
+        std::uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        return core::bf16_to_float(v);
+      });
+      break;
+    case DType::f16:
+      run([](const char* p, std::int64_t i) {
+        std::uint16_t v;
+        std::memcpy(&v, p + 2 * i, 2);
+        return core::f16_to_float(v);
+      });
+      break;
+    default:
+      run([](const char* p, std::int64_t i) {
+        float v;
+        std::memcpy(&v, p + 4 * i, 4);
+        return v;
+      });
+      break;
+  }
+  float sum = 0.0f;
+  for (float v : acc) sum += v;
+  return sum;
+}
+
+}  // namespace
+
+void sparse_attention_fwd(const SparseAttentionProblem& p) {
+  const AttentionKernel& kernel = pick_kernel(p.dtype);
+  const Shape shape = shape_of(p);
+  const std::int64_t H = p.heads;
+  const std::size_t out_row_bytes = static_cast<std::size_t>(H * p.d_v) * dtype_size(p.dtype);
+  for (std::int64_t row : core::padding_rows(p.plan)) {
+    std::memset(static_cast<char*>(p.out) + row * out_row_bytes, 0, out_row_bytes);
+    std::fill(p.softmax_max + row * H, p.softmax_max + (row + 1) * H, core::kNegInf);
+    std::fill(p.softmax_sum + row * H, p.softmax_sum + (row + 1) * H, 0.0f);
+  }
+  const std::vector<RowTask> tasks = row_tasks(p);
+  const int threads = std::max(1, std::min<int>(p.num_threads, static_cast<int>(tasks.size())));
+  std::vector<Scratch> scratch = make_scratch(threads, kernel.scratch_bytes(shape), max_attended(p));
+  core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t t, int thread) {
+    const RowTask& task = tasks[t];
+    const auto& seq = p.plan.seqs[task.seq];
+    Scratch& s = scratch[thread];
+    for (std::int64_t i = task.first; i < task.first + task.rows; ++i) {
+      const std::int64_t row = seq.q_begin + i;
+      const KeyRows keys = gather_row(p, seq, i, s.ptrs);
+      kernel.forward_row(shape, p.sinks, query_row(p, row), keys, s.aligned(),
+                         static_cast<char*>(p.out) + row * out_row_bytes, p.softmax_max + row * H,
+                         p.softmax_sum + row * H);
+    }
+  });
+}
+
+void sparse_attention_bwd(const SparseAttentionProblem& p) {
+  const AttentionKernel& kernel = pick_kernel(p.dtype);
+  const Shape shape = shape_of(p);
+  const std::int64_t H = p.heads, dv = p.d_v;
+  const std::size_t es = dtype_size(p.dtype);
+  // Everything no task writes (padding rows, keys nobody attends) is zero.
+  auto zero = [](void* data, std::int64_t bytes) {
+    if (data && bytes > 0) std::memset(data, 0, static_cast<std::size_t>(bytes));
+  };
+  zero(p.d_query, p.plan.q_rows * H * p.dim * es);
+  zero(p.d_kv, p.kv_rows * p.dim * es);
+  if (p.rope_dim) {
+    zero(p.d_query_rope, p.plan.q_rows * H * p.rope_dim * es);
+    zero(p.d_key_rope, p.kv_rows * p.rope_dim * es);
+  }
+  if (p.cmp_kv) zero(p.d_cmp_kv, p.cmp_rows * p.dim * es);
+  if (p.d_sinks) std::fill(p.d_sinks, p.d_sinks + H, 0.0f);
+
+  // Phase 1: per-row softmax constants, dsink terms and dq.
+  std::vector<float> coef(p.plan.q_rows * H, 0.0f), delta(p.plan.q_rows * H, 0.0f);
+  std::vector<float> sink_terms(p.sinks ? p.plan.q_rows * H : 0, 0.0f);
+  const std::vector<RowTask> tasks = row_tasks(p);
+  const int threads = std::max(1, p.num_threads);
+  // Per-row operands the kernel packs in phase 1 and reuses in phase 2 (AMX: the
+  // query and grad_out in tile layouts), about the size of query + grad_out.
+  const std::size_t packed_row = kernel.packed_row_bytes(shape);
+  struct AlignedBytes {
+    std::uint8_t* ptr = nullptr;
+    explicit AlignedBytes(std::size_t n)
+        : ptr(n ? static_cast<std::uint8_t*>(::operator new[](n, std::align_val_t(64))) : nullptr) {}
+    ~AlignedBytes() {
+      if (ptr) ::operator delete[](ptr, std::align_val_t(64));
+    }
+    std::uint8_t* data() const { return ptr; }
+  } packed(packed_row * p.plan.q_rows);  // not zeroed: every row that is read was written
+  std::vector<Scratch> scratch = make_scratch(threads, kernel.scratch_bytes(shape), max_attended(p));
+  core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t t, int thread) {
+    const RowTask& task = tasks[t];
+    const auto& seq = p.plan.seqs[task.seq];
+    Scratch& s = scratch[thread];
+    for (std::int64_t i = task.first; i < task.first + task.rows; ++i) {
+      const std::int64_t row = seq.q_begin + i;
+      for (std::int64_t h = 0; h < H; ++h) {
+        const float m = p.saved_max[row * H + h], sum = p.saved_sum[row * H + h];
+        if (m == core::kNegInf) continue;  // empty row: no gradient at all
+        float scale_m = 1.0f, sink_term = 0.0f;
+        if (p.sinks && p.sinks[h] != core::kNegInf) {
+          const float top = std::max(m, p.sinks[h]);
+          scale_m = std::exp(m - top);
+          sink_term = std::exp(p.sinks[h] - top);
+        }
+        const float denom = sum * scale_m + sink_term;
+        const float d = row_dot(static_cast<const char*>(p.grad_out) + (row * p.go_row_stride + h * p.go_head_stride) * es,
+                                static_cast<const char*>(p.fwd_out) + (row * p.o_row_stride + h * p.o_head_stride) * es,
+                                p.dtype, dv);
+        coef[row * H + h] = scale_m / denom;
+        delta[row * H + h] = d;
+        if (p.sinks) sink_terms[row * H + h] = -(sink_term / denom) * d;
+      }
+      const KeyRows keys = gather_row(p, seq, i, s.ptrs);
+      if (keys.count == 0) continue;
+      RowBackward rb{static_cast<const char*>(p.grad_out) + row * p.go_row_stride * es, p.go_head_stride,
+                     p.saved_max + row * H, coef.data() + row * H, delta.data() + row * H,
+                     packed_row ? packed.data() + row * packed_row : nullptr};
+      kernel.backward_query_row(shape, query_row(p, row), rb, keys, s.aligned(),
+                                static_cast<char*>(p.d_query) + row * H * p.dim * es,
+                                p.rope_dim ? static_cast<char*>(p.d_query_rope) + row * H * p.rope_dim * es : nullptr);
+    }
+  });
+
+  // Phase 2: dkv / dkey_rope / dcmp_kv by owned key blocks.
+  std::vector<OwnerBlock> blocks;
+  std::vector<std::int64_t> raw_base{0}, cmp_base{0};
+  for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
+    const auto& seq = p.plan.seqs[b];
+    for (std::int64_t j = 0; j < seq.k_len; j += kOwnerBlock)
+      blocks.push_back({false, b, j, std::min(kOwnerBlock, seq.k_len - j)});
+    raw_base.push_back(static_cast<std::int64_t>(blocks.size()));
+  }
+  const std::int64_t n_raw_blocks = static_cast<std::int64_t>(blocks.size());
+  if (p.cmp_kv)
+    for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
+      const auto& seq = p.plan.seqs[b];
+      for (std::int64_t j = 0; j < seq.c_len; j += kOwnerBlock)
+        blocks.push_back({true, b, j, std::min(kOwnerBlock, seq.c_len - j)});
+      cmp_base.push_back(static_cast<std::int64_t>(blocks.size()) - n_raw_blocks);
+    }
+  InvertedIndex raw_inv, cmp_inv;
+  if (p.indices) raw_inv = invert(p, false, raw_base);
+  if (p.cmp_indices) cmp_inv = invert(p, true, cmp_base);
+
+  struct OwnerScratch {
+    std::vector<TokenEntries> tokens;
+    std::vector<std::uint8_t> offsets;
+    const char* main[kOwnerBlock];
+    const char* rope[kOwnerBlock];
+  };
+  std::vector<OwnerScratch> owner(threads);
+  Shape cmp_shape = shape;
+  cmp_shape.rope_dim = 0;
+  core::parallel_for(static_cast<std::int64_t>(blocks.size()), threads, [&](std::int64_t t, int thread) {
+    const OwnerBlock& blk = blocks[t];
+    const auto& seq = p.plan.seqs[blk.seq];
+    OwnerScratch& os = owner[thread];
+    os.tokens.clear();
+    auto make_token = [&](std::int64_t row, const std::uint8_t* offsets, std::int64_t count) {
+      RowBackward rb{static_cast<const char*>(p.grad_out) + row * p.go_row_stride * es, p.go_head_stride,
+                     p.saved_max + row * H, coef.data() + row * H, delta.data() + row * H,
+                     packed_row ? packed.data() + row * packed_row : nullptr};
+      os.tokens.push_back(TokenEntries{query_row(p, row), rb, offsets, count});
+    };
+    const std::int64_t key_row0 = (blk.compressed ? seq.c_begin : seq.k_begin) + blk.first;
+    const InvertedIndex* inv = blk.compressed ? (p.cmp_indices ? &cmp_inv : nullptr) : (p.indices ? &raw_inv : nullptr);
+    if (inv) {
+      const std::int64_t bucket = blk.compressed ? t - n_raw_blocks : t;
+      for (std::int64_t e = inv->start[bucket]; e < inv->start[bucket + 1];) {
+        std::int64_t end = e;
+        while (end < inv->start[bucket + 1] && inv->rows[end] == inv->rows[e]) ++end;
+        make_token(inv->rows[e], inv->offsets.data() + e, end - e);
+        e = end;
+      }
+    } else {
+      // Implicit sets (band, every visible compressed entry): the tokens that see
+      // the block are a contiguous range; each sees a contiguous run of it.
+      const std::int64_t shift = seq.k_len - seq.q_len;  // pos(i) = shift + i
+      std::int64_t i_begin, i_end = seq.q_len;
+      if (blk.compressed) {
+        i_begin = std::max<std::int64_t>(0, (blk.first + 1) * p.ratio - 1 - shift);
+      } else {
+        i_begin = std::max<std::int64_t>(0, blk.first - shift);
+        if (p.window > 0) i_end = std::min(i_end, blk.first + blk.count - 1 + p.window - 1 - shift + 1);
+      }
+      os.offsets.resize(std::max<std::int64_t>(0, i_end - i_begin) * kOwnerBlock);
+      std::int64_t used = 0;
+      for (std::int64_t i = i_begin; i < i_end; ++i) {
+        const auto w = p.row_window(seq, i);
+        std::int64_t lo, hi;  // local entries [lo, hi) of the block
+        if (blk.compressed) {
+          lo = blk.first;
+          hi = std::min(blk.first + blk.count, w.cmp_visible);
+        } else {
+          lo = std::max(blk.first, w.raw_lo);
+          hi = std::min(blk.first + blk.count, w.pos + 1);
+        }
+        if (hi <= lo) continue;
+        std::uint8_t* off = os.offsets.data() + used;
+        for (std::int64_t j = lo; j < hi; ++j) off[j - lo] = static_cast<std::uint8_t>(j - blk.first);
+        used += hi - lo;
+        make_token(seq.q_begin + i, off, hi - lo);
+      }
+    }
+    for (std::int64_t k = 0; k < blk.count; ++k) {
+      if (blk.compressed) {
+        os.main[k] = static_cast<const char*>(p.cmp_kv) + (key_row0 + k) * p.cmp_row_stride * es;
+        os.rope[k] = nullptr;
+      } else {
+        os.main[k] = static_cast<const char*>(p.kv) + (key_row0 + k) * p.kv_row_stride * es;
+        os.rope[k] = p.key_rope ? static_cast<const char*>(p.key_rope) + (key_row0 + k) * p.kr_row_stride * es : nullptr;
+      }
+    }
+    if (os.tokens.empty()) return;
+    const KeyRows block_rows{os.main, os.rope, blk.count};
+    if (blk.compressed) {
+      kernel.backward_key_block(cmp_shape, block_rows, os.tokens.data(), static_cast<std::int64_t>(os.tokens.size()),
+                                scratch[thread].aligned(), static_cast<char*>(p.d_cmp_kv) + key_row0 * p.dim * es, nullptr);
+    } else {
+      kernel.backward_key_block(shape, block_rows, os.tokens.data(), static_cast<std::int64_t>(os.tokens.size()),
+                                scratch[thread].aligned(), static_cast<char*>(p.d_kv) + key_row0 * p.dim * es,
+                                p.rope_dim ? static_cast<char*>(p.d_key_rope) + key_row0 * p.rope_dim * es : nullptr);
+    }
+  });
+
+  // Phase 3: dsinks, summed in row order.
+  if (p.d_sinks)
+    for (std::int64_t r = 0; r < p.plan.q_rows; ++r)
+      for (std::int64_t h = 0; h < H; ++h) p.d_sinks[h] += sink_terms[r * H + h];
+}
+
+}  // namespace dsa::cpu

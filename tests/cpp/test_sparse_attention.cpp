@@ -1,0 +1,496 @@
+// Fused CPU sparse attention against the reference backend, in every mode:
+// explicit indices (+ split rope), dense causal with prefix KV, sliding window
+// with sinks, window + compressed KV (HCA and CSA); TND and BSND; fp32 and
+// bf16; every ISA path; determinism across thread counts; bad inputs.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/cpu_features.h"
+#include "core/numeric.h"
+#include "dsa/error.h"
+#include "dsa/sparse_attention.h"
+
+namespace dsa {
+namespace {
+
+struct Buffer {
+  DType dtype = DType::f32;
+  std::vector<std::uint8_t> bytes;
+  std::vector<std::int64_t> shape;
+  TensorView view() {
+    TensorView v;
+    v.data = bytes.data();
+    v.dtype = dtype;
+    v.ndim = static_cast<int>(shape.size());
+    std::int64_t stride = 1;
+    for (int d = v.ndim - 1; d >= 0; --d) {
+      v.shape[d] = shape[d];
+      v.strides[d] = stride;
+      stride *= shape[d];
+    }
+    return v;
+  }
+  std::int64_t numel() const {
+    std::int64_t n = 1;
+    for (auto s : shape) n *= s;
+    return n;
+  }
+  float at(std::int64_t i) const { return core::load_float(bytes.data(), dtype, i); }
+};
+
+Buffer make(DType dtype, std::vector<std::int64_t> shape) {
+  Buffer b;
+  b.dtype = dtype;
+  b.shape = std::move(shape);
+  b.bytes.assign(b.numel() * dtype_size(dtype), 0);
+  return b;
+}
+
+Buffer random_float(DType dtype, std::vector<std::int64_t> shape, std::mt19937& gen, float scale = 1.0f) {
+  Buffer b = make(dtype, std::move(shape));
+  std::normal_distribution<float> dist(0.0f, scale);
+  for (std::int64_t i = 0; i < b.numel(); ++i) core::store_float(b.bytes.data(), dtype, i, dist(gen));
+  return b;
+}
+
+Buffer random_indices(std::vector<std::int64_t> shape, std::int64_t lo, std::int64_t hi, std::mt19937& gen) {
+  Buffer b = make(DType::i32, std::move(shape));
+  std::uniform_int_distribution<std::int64_t> dist(lo, hi);
+  auto* p = reinterpret_cast<std::int32_t*>(b.bytes.data());
+  for (std::int64_t i = 0; i < b.numel(); ++i) p[i] = static_cast<std::int32_t>(dist(gen));
+  return b;
+}
+
+struct Config {
+  DType dtype = DType::f32;
+  Layout layout = Layout::TND;
+  std::int64_t heads = 3, dim = 40, rope = 0, d_v = 0, batch = 1, sq = 0, sk = 0;
+  std::vector<std::int64_t> q_lens, k_lens;  // per sequence / batch row
+  std::int64_t topk = 0;                     // > 0: explicit indices
+  std::int64_t window = 0;
+  std::int64_t ratio = 1;                    // > 1: cmp_kv
+  std::int64_t cmp_topk = 0;                 // > 0: cmp_indices
+  bool sinks = false;
+  float sink_value = NAN;                    // NAN: random sinks
+};
+
+struct Problem {
+  Config c;
+  Buffer query, kv, indices, cmp_kv, cmp_indices, sinks, query_rope, key_rope, grad_out;
+  SparseAttentionParams params;
+  SparseAttentionInputs inputs() {
+    SparseAttentionInputs in;
+    in.query = query.view();
+    in.kv = kv.view();
+    if (c.topk) in.indices = indices.view();
+    if (c.ratio > 1) in.cmp_kv = cmp_kv.view();
+    if (c.cmp_topk) in.cmp_indices = cmp_indices.view();
+    if (c.sinks) in.sinks = sinks.view();
+    if (c.rope) {
+      in.query_rope = query_rope.view();
+      in.key_rope = key_rope.view();
+    }
+    return in;
+  }
+};
+
+Problem build(const Config& c, unsigned seed) {
+  std::mt19937 gen(seed);
+  Problem p;
+  p.c = c;
+  const bool tnd = c.layout == Layout::TND;
+  std::int64_t T = 0, S = 0, C = 0, max_k = 0;
+  for (std::size_t b = 0; b < c.q_lens.size(); ++b) {
+    T += c.q_lens[b];
+    S += c.k_lens[b];
+    C += c.ratio > 1 ? c.k_lens[b] / c.ratio : 0;
+    max_k = std::max(max_k, c.k_lens[b]);
+  }
+  std::vector<std::int64_t> qlead = tnd ? std::vector<std::int64_t>{T} : std::vector<std::int64_t>{c.batch, c.sq};
+  std::vector<std::int64_t> klead = tnd ? std::vector<std::int64_t>{S} : std::vector<std::int64_t>{c.batch, c.sk};
+  std::vector<std::int64_t> clead = tnd ? std::vector<std::int64_t>{C} : std::vector<std::int64_t>{c.batch, c.sk / std::max<std::int64_t>(c.ratio, 1)};
+  auto with = [](std::vector<std::int64_t> lead, std::initializer_list<std::int64_t> tail) {
+    for (auto t : tail) lead.push_back(t);
+    return lead;
+  };
+  const float qscale = 1.0f;
+  p.query = random_float(c.dtype, with(qlead, {c.heads, c.dim}), gen, qscale);
+  p.kv = random_float(c.dtype, with(klead, {c.dim}), gen);
+  if (c.topk) p.indices = random_indices(with(qlead, {c.topk}), -2, max_k + 1, gen);
+  if (c.ratio > 1) {
+    p.cmp_kv = random_float(c.dtype, with(clead, {c.dim}), gen);
+    if (c.cmp_topk) p.cmp_indices = random_indices(with(qlead, {c.cmp_topk}), -1, max_k / c.ratio + 1, gen);
+  }
+  if (c.sinks) {
+    p.sinks = random_float(DType::f32, {c.heads}, gen);
+    if (!std::isnan(c.sink_value))
+      for (std::int64_t h = 0; h < c.heads; ++h) core::store_float(p.sinks.bytes.data(), DType::f32, h, c.sink_value);
+  }
+  if (c.rope) {
+    p.query_rope = random_float(c.dtype, with(qlead, {c.heads, c.rope}), gen);
+    p.key_rope = random_float(c.dtype, with(klead, {c.rope}), gen);
+  }
+  const std::int64_t dv = c.d_v ? c.d_v : c.dim;
+  p.grad_out = random_float(c.dtype, with(qlead, {c.heads, dv}), gen);
+  p.params.scale = 1.0f / std::sqrt(static_cast<float>(c.dim + c.rope));
+  p.params.d_v = c.d_v;
+  p.params.window = c.window;
+  p.params.cmp_ratio = c.ratio;
+  p.params.layout = c.layout;
+  if (tnd) {
+    p.params.cu_seqlens_q = {0};
+    p.params.cu_seqlens_k = {0};
+    for (std::size_t b = 0; b < c.q_lens.size(); ++b) {
+      p.params.cu_seqlens_q.push_back(p.params.cu_seqlens_q.back() + c.q_lens[b]);
+      p.params.cu_seqlens_k.push_back(p.params.cu_seqlens_k.back() + c.k_lens[b]);
+    }
+  } else {
+    p.params.cu_seqlens_q = {0};
+    p.params.cu_seqlens_k = {0};
+    for (std::int64_t b = 0; b < c.batch; ++b) {
+      p.params.cu_seqlens_q.push_back(p.params.cu_seqlens_q.back() + c.q_lens[b]);
+      p.params.cu_seqlens_k.push_back(p.params.cu_seqlens_k.back() + c.k_lens[b]);
+    }
+  }
+  return p;
+}
+
+struct Results {
+  Buffer out, max, sum, dq, dkv, dqr, dkr, dcmp, dsinks;
+};
+
+Results run(Problem& p, Backend backend, int threads) {
+  p.params.num_threads = threads;
+  Results r;
+  SparseAttentionInputs in = p.inputs();
+  std::vector<std::int64_t> stat_shape(p.query.shape.begin(), p.query.shape.end() - 1);
+  std::vector<std::int64_t> out_shape = stat_shape;
+  out_shape.push_back(p.grad_out.shape.back());
+  r.out = make(p.c.dtype, out_shape);
+  r.max = make(DType::f32, stat_shape);
+  r.sum = make(DType::f32, stat_shape);
+  sparse_attention_fwd(in, p.params, r.out.view(), r.max.view(), r.sum.view(), backend);
+  r.dq = make(p.c.dtype, p.query.shape);
+  r.dkv = make(p.c.dtype, p.kv.shape);
+  SparseAttentionGrads g;
+  g.d_query = r.dq.view();
+  g.d_kv = r.dkv.view();
+  if (p.c.rope) {
+    r.dqr = make(p.c.dtype, p.query_rope.shape);
+    r.dkr = make(p.c.dtype, p.key_rope.shape);
+    g.d_query_rope = r.dqr.view();
+    g.d_key_rope = r.dkr.view();
+  }
+  if (p.c.ratio > 1) {
+    r.dcmp = make(p.c.dtype, p.cmp_kv.shape);
+    g.d_cmp_kv = r.dcmp.view();
+  }
+  if (p.c.sinks) {
+    r.dsinks = make(DType::f32, {p.c.heads});
+    g.d_sinks = r.dsinks.view();
+  }
+  sparse_attention_bwd(in, p.params, p.grad_out.view(), r.out.view(), r.max.view(), r.sum.view(), g, backend);
+  return r;
+}
+
+// max |a - b| <= atol + rtol * max |b|, infinities in the same places.
+void expect_close(const Buffer& a, const Buffer& b, double rtol, double atol, const char* what) {
+  ASSERT_EQ(a.numel(), b.numel()) << what;
+  double scale = 0.0, worst = 0.0;
+  for (std::int64_t i = 0; i < b.numel(); ++i)
+    if (std::isfinite(b.at(i))) scale = std::max(scale, std::fabs(static_cast<double>(b.at(i))));
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    const float x = a.at(i), y = b.at(i);
+    if (std::isinf(y) || std::isinf(x)) {
+      ASSERT_EQ(x, y) << what << " at " << i;
+      continue;
+    }
+    ASSERT_FALSE(std::isnan(x)) << what << " at " << i;
+    worst = std::max(worst, std::fabs(static_cast<double>(x) - y));
+  }
+  EXPECT_LE(worst, atol + rtol * scale) << what << " (scale " << scale << ")";
+}
+
+void expect_identical(const Buffer& a, const Buffer& b, const char* what) {
+  EXPECT_EQ(a.bytes, b.bytes) << what;
+}
+
+void compare_all(const Results& f, const Results& r, const Config& c) {
+  const double rtol = c.dtype == DType::f32 ? 1e-4 : 2e-2, atol = c.dtype == DType::f32 ? 1e-5 : 1e-3;
+  expect_close(f.out, r.out, rtol, atol, "out");
+  expect_close(f.max, r.max, 1e-4, 1e-5, "softmax_max");
+  expect_close(f.sum, r.sum, rtol, atol, "softmax_sum");
+  expect_close(f.dq, r.dq, rtol, atol, "d_query");
+  expect_close(f.dkv, r.dkv, rtol, atol, "d_kv");
+  if (c.rope) {
+    expect_close(f.dqr, r.dqr, rtol, atol, "d_query_rope");
+    expect_close(f.dkr, r.dkr, rtol, atol, "d_key_rope");
+  }
+  if (c.ratio > 1) expect_close(f.dcmp, r.dcmp, rtol, atol, "d_cmp_kv");
+  if (c.sinks) expect_close(f.dsinks, r.dsinks, c.dtype == DType::f32 ? 1e-4 : 3e-2, 1e-4, "d_sinks");
+}
+
+void check_config(const Config& c, unsigned seed = 1) {
+  Problem p = build(c, seed);
+  Results ref = run(p, Backend::reference, 1);
+  Results fused1 = run(p, Backend::cpu, 1);
+  compare_all(fused1, ref, c);
+  Results fused3 = run(p, Backend::cpu, 3);
+  for (auto [a, b, name] : {std::tuple{&fused1.out, &fused3.out, "out"}, std::tuple{&fused1.dq, &fused3.dq, "dq"},
+                            std::tuple{&fused1.dkv, &fused3.dkv, "dkv"}, std::tuple{&fused1.dcmp, &fused3.dcmp, "dcmp"},
+                            std::tuple{&fused1.dkr, &fused3.dkr, "dkr"}, std::tuple{&fused1.dsinks, &fused3.dsinks, "dsinks"}})
+    expect_identical(*a, *b, name);
+}
+
+Config tnd(std::vector<std::int64_t> q, std::vector<std::int64_t> k) {
+  Config c;
+  c.q_lens = q;
+  c.k_lens = k;
+  return c;
+}
+
+class SparseAttentionModes : public ::testing::TestWithParam<std::tuple<DType, int>> {
+ protected:
+  void SetUp() override { core::limit_isa_for_testing(static_cast<core::Isa>(std::get<1>(GetParam()))); }
+  void TearDown() override { core::limit_isa_for_testing(core::Isa::amx); }
+  DType dtype() const { return std::get<0>(GetParam()); }
+};
+
+TEST_P(SparseAttentionModes, ExplicitIndicesWithRope) {
+  Config c = tnd({5, 0, 1, 17}, {9, 3, 1, 40});
+  c.dtype = dtype();
+  c.heads = 3;
+  c.dim = 36;
+  c.rope = 8;
+  c.d_v = 32;
+  c.topk = 11;
+  check_config(c);
+}
+
+TEST_P(SparseAttentionModes, ExplicitIndicesSharedValueDims) {
+  Config c = tnd({33}, {70});
+  c.dtype = dtype();
+  c.heads = 16;
+  c.dim = 72;
+  c.d_v = 64;
+  c.topk = 40;
+  check_config(c, 2);
+}
+
+TEST_P(SparseAttentionModes, ManyHeadsWideRows) {
+  // Several (odd) head groups, value dims not a multiple of 32, rope dims:
+  // every tile-edge branch of the AMX kernels.
+  Config c = tnd({20, 70}, {30, 100});
+  c.dtype = dtype();
+  c.heads = 40;
+  c.dim = 96;
+  c.rope = 32;
+  c.d_v = 80;
+  c.topk = 45;
+  check_config(c, 13);
+}
+
+TEST_P(SparseAttentionModes, ManyHeadsDense) {
+  Config c = tnd({67}, {140});
+  c.dtype = dtype();
+  c.heads = 33;
+  c.dim = 48;
+  c.window = 70;
+  c.sinks = true;
+  check_config(c, 14);
+}
+
+TEST_P(SparseAttentionModes, DenseCausalPrefix) {
+  Config c = tnd({7, 2, 65}, {7, 9, 97});
+  c.dtype = dtype();
+  c.heads = 2;
+  c.dim = 33;
+  check_config(c, 3);
+}
+
+TEST_P(SparseAttentionModes, WindowWithSinks) {
+  Config c = tnd({70, 1}, {70, 5});
+  c.dtype = dtype();
+  c.heads = 4;
+  c.dim = 32;
+  c.window = 9;
+  c.sinks = true;
+  check_config(c, 4);
+}
+
+TEST_P(SparseAttentionModes, WindowCompressedAll) {
+  Config c = tnd({45, 3, 2}, {45, 3, 20});
+  c.dtype = dtype();
+  c.heads = 3;
+  c.dim = 24;
+  c.window = 6;
+  c.ratio = 4;
+  c.sinks = true;
+  check_config(c, 5);
+}
+
+TEST_P(SparseAttentionModes, WindowCompressedIndices) {
+  Config c = tnd({40, 12}, {50, 12});
+  c.dtype = dtype();
+  c.heads = 5;
+  c.dim = 32;
+  c.window = 8;
+  c.ratio = 4;
+  c.cmp_topk = 6;
+  c.sinks = true;
+  check_config(c, 6);
+}
+
+TEST_P(SparseAttentionModes, CompressedIndicesMoreThanEntries) {
+  // More cmp_indices than compressed entries: duplicates must still all count.
+  Config c = tnd({9, 2}, {9, 6});
+  c.dtype = dtype();
+  c.heads = 2;
+  c.dim = 16;
+  c.window = 3;
+  c.ratio = 4;
+  c.cmp_topk = 13;
+  check_config(c, 12);
+}
+
+TEST_P(SparseAttentionModes, BsndPaddedIndices) {
+  Config c;
+  c.layout = Layout::BSND;
+  c.dtype = dtype();
+  c.batch = 3;
+  c.sq = 6;
+  c.sk = 10;
+  c.q_lens = {6, 0, 3};
+  c.k_lens = {10, 4, 3};
+  c.heads = 2;
+  c.dim = 20;
+  c.topk = 7;
+  check_config(c, 7);
+}
+
+TEST_P(SparseAttentionModes, BsndWindowCompressed) {
+  Config c;
+  c.layout = Layout::BSND;
+  c.dtype = dtype();
+  c.batch = 2;
+  c.sq = 9;
+  c.sk = 12;
+  c.q_lens = {9, 4};
+  c.k_lens = {12, 7};
+  c.heads = 2;
+  c.dim = 16;
+  c.window = 4;
+  c.ratio = 3;
+  c.sinks = true;
+  check_config(c, 8);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    DtypesAndIsas, SparseAttentionModes,
+    ::testing::Combine(::testing::Values(DType::f32, DType::bf16, DType::f16),
+                       ::testing::Values(static_cast<int>(core::Isa::portable), static_cast<int>(core::Isa::avx512),
+                                         static_cast<int>(core::Isa::amx))));
+
+TEST(SparseAttention, SinkExtremes) {
+  for (float sink : {-INFINITY, 0.0f, 60.0f}) {
+    Config c = tnd({12}, {12});
+    c.heads = 2;
+    c.dim = 16;
+    c.window = 5;
+    c.sinks = true;
+    c.sink_value = sink;
+    check_config(c, 9);
+  }
+}
+
+TEST(SparseAttention, AllInvalidIndicesGiveEmptyRows) {
+  Config c = tnd({4}, {4});
+  c.heads = 2;
+  c.dim = 8;
+  c.topk = 3;
+  Problem p = build(c, 10);
+  auto* idx = reinterpret_cast<std::int32_t*>(p.indices.bytes.data());
+  for (int i = 0; i < 12; ++i) idx[i] = -1;
+  idx[3 * 3 + 0] = 3;  // only the last row attends one key (itself)
+  idx[3 * 3 + 2] = 3;  // ... twice: duplicates count twice
+  Results r = run(p, Backend::cpu, 2);
+  for (int i = 0; i < 3 * 2; ++i) {
+    EXPECT_EQ(r.max.at(i), -INFINITY);
+    EXPECT_EQ(r.sum.at(i), 0.0f);
+  }
+  EXPECT_EQ(r.sum.at(6), 2.0f);  // two copies of one key, both at the max
+  for (int i = 0; i < 3 * 2 * 8; ++i) EXPECT_EQ(r.out.at(i), 0.0f);
+  Results ref = run(p, Backend::reference, 1);
+  compare_all(r, ref, c);
+}
+
+TEST(SparseAttention, BadInputsThrowAndWriteNothing) {
+  Config c = tnd({4}, {6});
+  c.heads = 2;
+  c.dim = 8;
+  c.topk = 3;
+  Problem p = build(c, 11);
+  Buffer out = make(DType::f32, {4, 2, 8}), mx = make(DType::f32, {4, 2}), sm = make(DType::f32, {4, 2});
+  std::memset(out.bytes.data(), 0x7f, out.bytes.size());
+  const auto before = out.bytes;
+  auto expect_invalid = [&](SparseAttentionInputs in, SparseAttentionParams params, const char* needle) {
+    try {
+      sparse_attention_fwd(in, params, out.view(), mx.view(), sm.view(), Backend::cpu);
+      ADD_FAILURE() << "no error for " << needle;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(out.bytes, before);
+  };
+  Buffer kv_bad = make(DType::f32, {6, 7});
+  auto in = p.inputs();
+  in.kv = kv_bad.view();
+  expect_invalid(in, p.params, "kv");
+  in = p.inputs();
+  Buffer kv_bf16 = make(DType::bf16, {6, 8});
+  in.kv = kv_bf16.view();
+  expect_invalid(in, p.params, "kv");
+  in = p.inputs();
+  Buffer idx_bad = make(DType::i32, {3, 3});
+  in.indices = idx_bad.view();
+  expect_invalid(in, p.params, "indices");
+  auto params = p.params;
+  params.cu_seqlens_q = {0, 7};
+  params.cu_seqlens_k = {0, 6};
+  expect_invalid(p.inputs(), params, "query_lengths");
+  params = p.params;
+  params.cu_seqlens_k = {0, 3};
+  expect_invalid(p.inputs(), params, "key_lengths");
+  params = p.params;
+  params.window = 4;
+  expect_invalid(p.inputs(), params, "window");
+  params = p.params;
+  params.d_v = 9;
+  expect_invalid(p.inputs(), params, "d_v");
+  params = p.params;
+  params.cmp_ratio = 4;
+  expect_invalid(p.inputs(), params, "cmp_ratio");
+  in = p.inputs();
+  Buffer sinks_bad = make(DType::f32, {3});
+  in.sinks = sinks_bad.view();
+  expect_invalid(in, p.params, "sinks");
+  in = p.inputs();
+  Buffer qr = make(DType::f32, {4, 2, 4});
+  in.query_rope = qr.view();
+  expect_invalid(in, p.params, "key_rope");
+  Buffer out_bad = make(DType::f32, {4, 2, 7});
+  try {
+    sparse_attention_fwd(p.inputs(), p.params, out_bad.view(), mx.view(), sm.view(), Backend::cpu);
+    ADD_FAILURE() << "no error for a wrong out shape";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("out"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace dsa
