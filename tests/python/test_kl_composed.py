@@ -6,13 +6,12 @@ attention stats, dsa_dense_indexer_lse, dsa_dense_indexer_kl_loss), then in the
 sparse stage (dsa_indexer top-k, sparse attention stats, dsa_kl_loss). In each
 stage the KL must fall by at least half.
 
-The main attention's statistics come from `attention_stats`; to use the fused
-attention once it exists, replace its body with the one-line call noted there.
+The main attention is dsa_sparse_attention itself (dense causal in the warm-up,
+the indexer's selection in the sparse stage); its statistics feed the losses.
 """
 import torch
 
 import dsa
-from dsa.naive import naive_attention_stats
 
 T, DM, H, D, HI, DI, TOPK = 96, 24, 4, 32, 4, 16, 16
 SCALE = D ** -0.5
@@ -21,10 +20,9 @@ LENGTHS = [40, 96]  # two packed sequences
 
 def attention_stats(query, kv, indices=None):
     """softmax_max / softmax_sum of the main attention (dense causal when indices is None)."""
-    # Fused: return dsa.dsa_sparse_attention(query, kv, indices, scale=SCALE, query_lengths=LENGTHS,
-    #                                        key_lengths=LENGTHS)[1:]
-    return naive_attention_stats(query, kv, scale=SCALE, indices=indices, query_lengths=LENGTHS,
-                                 key_lengths=LENGTHS)
+    _, softmax_max, softmax_sum = dsa.dsa_sparse_attention(
+        query, kv, indices, scale=SCALE, query_lengths=LENGTHS, key_lengths=LENGTHS)
+    return softmax_max, softmax_sum
 
 
 def make_layer(seed=0):
