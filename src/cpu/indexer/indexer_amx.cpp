@@ -10,31 +10,19 @@
 #include <cstring>
 
 #include "cpu/indexer/score_kernels.h"
+#include "cpu/isa/amx.h"
 
 namespace dsa::cpu::indexer_kernels {
 namespace {
+
+using amx::configure_tiles;
+using amx::transpose16x16;
 
 constexpr std::int64_t kTileRows = 16;
 constexpr std::int64_t kChunk = 32;  // bf16 elements in one 64-byte tile row
 constexpr std::int64_t kGroups = kKeyTile / 16;  // 16-key B tiles per key tile
 
 std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-
-// Palette 1 with all eight tiles at 16 rows x 64 bytes. Kept in static
-// storage: gcc does not model ldtilecfg as reading the whole 64-byte block, so
-// a stack copy's field stores can be dropped as dead.
-struct alignas(64) TileConfig {
-  std::uint8_t palette = 1;
-  std::uint8_t start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  std::uint8_t rows[16] = {kTileRows, kTileRows, kTileRows, kTileRows,
-                           kTileRows, kTileRows, kTileRows, kTileRows};
-};
-static_assert(sizeof(TileConfig) == 64);
-alignas(64) const TileConfig kTileConfig{};
-
-void configure_tiles() { _tile_loadconfig(&kTileConfig); }
 
 // Where the A tiles of a query block live: straight in the caller's tensor
 // when heads fill 16-row tiles, dims fill 32-wide chunks and rows sit on cache
@@ -79,35 +67,6 @@ void amx_pack_queries(const QueryBlockSource& src, void* packed) {
         std::memset(dst, 0, dpad * 2);
       }
     }
-}
-
-// 16x16 transpose of 32-bit elements held in 16 registers.
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  // r[4q + j] now holds, in each 128-bit lane L, element j of rows 4q..4q+3 for
-  // columns 4L + j; the two 128-bit shuffles gather lanes across row quads.
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
-    t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
-    t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
-    t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
-  }
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-    r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
-  }
 }
 
 // B tile (chunk c, key group n): row r holds keys n*16 .. n*16+15, each as the pair

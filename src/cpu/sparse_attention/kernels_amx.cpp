@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "core/numeric.h"
+#include "cpu/isa/amx.h"
 #include "cpu/sparse_attention/attention_kernels.h"
 
 namespace dsa::cpu::attention_kernels {
@@ -31,22 +32,7 @@ constexpr float kLazy = 8.0f;        // exp(8) ~ 3e3: P stays far from bf16 / fp
 
 std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
-struct alignas(64) TileConfig {
-  std::uint8_t palette = 1;
-  std::uint8_t start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {};
-  std::uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) {
-    cfg.colsb[i] = 64;
-    cfg.rows[i] = 16;
-  }
-  _tile_loadconfig(&cfg);
-}
+using amx::configure_tiles;
 
 struct Dims {
   std::int64_t hp, dp, dvp, groups, chunks, dv_groups;
@@ -118,27 +104,10 @@ inline __m512 exp512(__m512 x) {
 // cols[c][r] = src[r][c] for a 16 x 16 block of 32-bit elements (pure data
 // movement, so it serves fp32 values and bf16 pairs alike).
 inline void transpose16(const float* src, std::int64_t src_stride, __m512 cols[16]) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * src_stride);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
-    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
-  }
-  // r[4q + j] holds, per 128-bit lane k, column 4k + j of rows 4q .. 4q + 3.
-  for (int j = 0; j < 4; ++j) {
-    const __m512 a0 = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88), a1 = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xdd);
-    const __m512 b0 = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88), b1 = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xdd);
-    cols[j] = _mm512_shuffle_f32x4(a0, b0, 0x88);
-    cols[j + 4] = _mm512_shuffle_f32x4(a1, b1, 0x88);
-    cols[j + 8] = _mm512_shuffle_f32x4(a0, b0, 0xdd);
-    cols[j + 12] = _mm512_shuffle_f32x4(a1, b1, 0xdd);
-  }
+  __m512i r[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_castps_si512(_mm512_loadu_ps(src + i * src_stride));
+  amx::transpose16x16(r);
+  for (int i = 0; i < 16; ++i) cols[i] = _mm512_castsi512_ps(r[i]);
 }
 
 // dst[c][r] = src[r][c] for a 16 x 16 fp32 block, written as bf16.
