@@ -254,9 +254,9 @@ struct DenseCase {
   // several 32-query blocks and 32-key tiles, the last ones partial.
   DenseCase(DType dt, std::int64_t key_heads, std::uint32_t seed, bool tiles = false) : dtype(dt), Hk(key_heads) {
     if (tiles) {
-      T = 90, S = 130, D = 32, Dr = 32, Hi = 5, Di = 64;
+      T = 90, S = 190, D = 32, Dr = 32, Hi = 5, Di = 64;
       cu_q = {0, 40, 90};
-      cu_k = {0, 40, 130};
+      cu_k = {0, 40, 190};
     }
     std::mt19937 rng(seed);
     iq = random_buffer({T, Hi, Di}, dtype, rng);

@@ -39,6 +39,8 @@ constexpr int64_t kTq = 32;         // queries per block: two 16-token B tiles
 constexpr int64_t kTk = 32;         // keys per tile: two 16-key A tiles
 constexpr int64_t kChunk = 32;      // bf16 elements per 64-byte tile row
 constexpr int64_t kMaxChunks = 64;  // teacher dims up to 2048
+constexpr int64_t kDqTiles = 4;     // dQ pass: key tiles per update of the fp32 dQ^T accumulator
+constexpr int64_t kDkTiles = 2;     // dK task: key tiles sharing one packing of each query block's iq
 
 // B operand of one head of a query block: tile (chunk c, token group tg) row r
 // holds the dim pair (32c + 2r, 32c + 2r + 1) of tokens 16tg .. 16tg + 15.
@@ -403,13 +405,14 @@ void amx_dense_bwd(const DenseKlProblem& p) {
     blocks.reserve(threads);
     for (int t = 0; t < threads; ++t) blocks.emplace_back(p, true);
     struct Scratch {
-      std::vector<std::uint8_t> dqt, ikt;
+      std::vector<std::uint8_t> dqt, ikt, cvnni;
       std::vector<float> dw;
     };
     std::vector<Scratch> scratch(threads);
     for (auto& s : scratch) {
       s.dqt.resize(iheads * idim * kTq * 4 + 64);  // dQ_j^T [Hi][Di][32 tokens] fp32
-      s.ikt.resize(idim * kTk * 2 + 64);           // ik^T [Di][32 keys] bf16
+      s.ikt.resize(idim * kDqTiles * kTk * 2 + 64);  // ik^T [Di][kDqTiles * 32 keys] bf16
+      s.cvnni.resize(iheads * kDqTiles * 2048 + 64);  // coef_j B tiles [Hi][kDqTiles][2][256] u32
       s.dw.resize(iheads * kTq);
     }
     core::parallel_for(static_cast<int64_t>(tasks.size()), threads, [&](int64_t task_index, int thread) {
@@ -424,13 +427,36 @@ void amx_dense_bwd(const DenseKlProblem& p) {
       std::fill(sc.dw.begin(), sc.dw.end(), 0.0f);
       configure_tiles();
       b.load_queries(seq, task.first, task.tokens);
-      alignas(64) std::uint32_t bvnni[2][256];
+      auto* cvnni = align64<std::uint32_t>(sc.cvnni);
+      constexpr int64_t kWide = kDqTiles * kTk;
+      // dQ_j^T += ik^T x coef_j over the buffered tiles: kDqTiles products per
+      // load/store of each C tile (the accumulator is the L2 traffic).
+      auto flush = [&](int64_t count) {
+        for (int64_t j = 0; j < iheads; ++j) {
+          float* cj = dqt + j * idim * kTq;
+          const std::uint32_t* bj = cvnni + j * kDqTiles * 512;
+          for (int64_t dg = 0; dg < dgroups; ++dg) {
+            _tile_loadd(0, cj + dg * 16 * kTq, 128);
+            _tile_loadd(1, cj + dg * 16 * kTq + 16, 128);
+            for (int64_t u = 0; u < count; ++u) {
+              _tile_loadd(4, ikt + dg * 16 * kWide + u * kTk, kWide * 2);
+              _tile_loadd(6, bj + u * 512, 64);
+              _tile_loadd(7, bj + u * 512 + 256, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+            }
+            _tile_stored(0, cj + dg * 16 * kTq, 128);
+            _tile_stored(1, cj + dg * 16 * kTq + 16, 128);
+          }
+        }
+      };
+      int64_t buffered = 0;
       for (int64_t k0 = 0; k0 < b.last; k0 += kTk) {
         const int64_t n = std::min(kTk, b.last - k0);
         int64_t ik_stride;
         const std::uint16_t* ik = b.compute(seq, k0, n, true, factor, ik_stride);
         for (int64_t d = 0; d < idim; ++d)
-          for (int64_t s = 0; s < kTk; ++s) ikt[d * kTk + s] = ik[s * ik_stride + d];
+          for (int64_t s = 0; s < kTk; ++s) ikt[d * kWide + buffered * kTk + s] = ik[s * ik_stride + d];
         for (int64_t j = 0; j < iheads; ++j) {
           const float* dj = b.dots + j * kTk * kTq;
           __m512 dw0 = _mm512_loadu_ps(dw + j * kTq), dw1 = _mm512_loadu_ps(dw + j * kTq + 16);
@@ -443,27 +469,21 @@ void amx_dense_bwd(const DenseKlProblem& p) {
           _mm512_storeu_ps(dw + j * kTq, dw0);
           _mm512_storeu_ps(dw + j * kTq + 16, dw1);
           // B: coef_j as VNNI key pairs x 16 tokens, one tile per token group.
+          std::uint32_t* bv = cvnni + (j * kDqTiles + buffered) * 512;
           for (int64_t r = 0; r < 16; ++r) {
             __m512 a0, a1, c0, c1;
             b.coef_row(j, 2 * r, a0, a1);
             b.coef_row(j, 2 * r + 1, c0, c1);
-            _mm512_store_si512(bvnni[0] + r * 16, pair_rows_bf16(a0, c0));
-            _mm512_store_si512(bvnni[1] + r * 16, pair_rows_bf16(a1, c1));
-          }
-          _tile_loadd(6, bvnni[0], 64);
-          _tile_loadd(7, bvnni[1], 64);
-          float* cj = dqt + j * idim * kTq;
-          for (int64_t dg = 0; dg < dgroups; ++dg) {
-            _tile_loadd(4, ikt + dg * 16 * kTk, 64);
-            _tile_loadd(0, cj + dg * 16 * kTq, 128);
-            _tile_loadd(1, cj + dg * 16 * kTq + 16, 128);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_stored(0, cj + dg * 16 * kTq, 128);
-            _tile_stored(1, cj + dg * 16 * kTq + 16, 128);
+            _mm512_store_si512(bv + r * 16, pair_rows_bf16(a0, c0));
+            _mm512_store_si512(bv + 256 + r * 16, pair_rows_bf16(a1, c1));
           }
         }
+        if (++buffered == kDqTiles) {
+          flush(buffered);
+          buffered = 0;
+        }
       }
+      if (buffered) flush(buffered);
       _tile_release();
       auto* dq_out = static_cast<std::uint16_t*>(p.d_index_query);
       alignas(64) float row[1024];
@@ -479,7 +499,8 @@ void amx_dense_bwd(const DenseKlProblem& p) {
     });
   }
 
-  // dK: tasks own 32-key tiles and stream the query blocks that see them.
+  // dK: tasks own kDkTiles 32-key tiles and stream the query blocks that see them
+  // (the query block's iq is packed once for all of the task's tiles).
   struct KeyTask {
     int64_t seq, k0, n, cost;
   };
@@ -488,10 +509,10 @@ void amx_dense_bwd(const DenseKlProblem& p) {
     const auto& seq = p.plan.seqs[bi];
     if (seq.q_len == 0) continue;
     const int64_t offset = seq.k_len - seq.q_len;  // query i sees keys <= offset + i
-    for (int64_t k0 = 0; k0 < seq.k_len; k0 += kTk) {
+    for (int64_t k0 = 0; k0 < seq.k_len; k0 += kTk * kDkTiles) {
       const int64_t first_query = std::max<int64_t>(0, k0 - offset);
       if (first_query >= seq.q_len) continue;
-      tasks.push_back({bi, k0, std::min(kTk, seq.k_len - k0), seq.q_len - first_query});
+      tasks.push_back({bi, k0, std::min(kTk * kDkTiles, seq.k_len - k0), seq.q_len - first_query});
     }
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const KeyTask& a, const KeyTask& b) { return a.cost > b.cost; });
@@ -504,7 +525,7 @@ void amx_dense_bwd(const DenseKlProblem& p) {
   };
   std::vector<Scratch> scratch(threads);
   for (auto& s : scratch) {
-    s.dk.resize(kTk * idim * 4 + 64);                // [32 keys][Di] fp32
+    s.dk.resize(kDkTiles * kTk * idim * 4 + 64);     // [task keys][Di] fp32
     s.coef.resize(iheads * kTk * kTq * 2 + 64);      // A: coef_j [32 keys][32 tokens] bf16
     s.ivnni.resize(iheads * dgroups * 1024 + 64);    // B: iq_j token pairs x 16 dims
   }
@@ -516,50 +537,54 @@ void amx_dense_bwd(const DenseKlProblem& p) {
     float* dk = align64<float>(sc.dk);
     auto* coef = align64<std::uint16_t>(sc.coef);
     auto* ivnni = align64<std::uint32_t>(sc.ivnni);
-    std::memset(dk, 0, kTk * idim * 4);
+    std::memset(dk, 0, kDkTiles * kTk * idim * 4);
     configure_tiles();
     const int64_t offset = seq.k_len - seq.q_len;
     const int64_t first_query = std::max<int64_t>(0, task.k0 - offset);
     const long dk_stride = static_cast<long>(idim * 4);
     for (int64_t first = first_query / kTq * kTq; first < seq.q_len; first += kTq) {
       b.load_queries(seq, first, std::min(kTq, seq.q_len - first));
-      int64_t ik_stride;
-      b.compute(seq, task.k0, task.n, true, factor, ik_stride);
       for (int64_t j = 0; j < iheads; ++j) {
-        for (int64_t s = 0; s < kTk; ++s) {
-          __m512 c0, c1;
-          b.coef_row(j, s, c0, c1);
-          _mm512_store_si512(coef + (j * kTk + s) * kTq, (__m512i)_mm512_cvtne2ps_pbh(c1, c0));
-        }
         const auto* iq = reinterpret_cast<const std::uint16_t*>(p.index_query.bytes(b.row0, j));
+        const __m512 zero = _mm512_setzero_ps();
+        auto load = [&](int64_t tt, int64_t dg) {
+          if (tt >= b.tokens) return zero;
+          const __m256i v =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(iq + tt * p.index_query.row_stride + dg * 16));
+          return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+        };
+        // bf16 -> fp32 -> bf16 is exact; reuses the fp32 pair interleave.
         for (int64_t dg = 0; dg < dgroups; ++dg)
-          for (int64_t r = 0; r < 16; ++r) {
-            const int64_t t = 2 * r;
-            const __m512 zero = _mm512_setzero_ps();
-            auto load = [&](int64_t tt) {
-              if (tt >= b.tokens) return zero;
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(iq + tt * p.index_query.row_stride + dg * 16));
-              return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-            };
-            // bf16 -> fp32 -> bf16 is exact; reuses the fp32 pair interleave.
-            _mm512_store_si512(ivnni + (j * dgroups + dg) * 256 + r * 16, pair_rows_bf16(load(t), load(t + 1)));
+          for (int64_t r = 0; r < 16; ++r)
+            _mm512_store_si512(ivnni + (j * dgroups + dg) * 256 + r * 16, pair_rows_bf16(load(2 * r, dg), load(2 * r + 1, dg)));
+      }
+      for (int64_t sub = 0; sub * kTk < task.n; ++sub) {
+        const int64_t k0 = task.k0 + sub * kTk, n = std::min(kTk, task.n - sub * kTk);
+        if (k0 >= b.last) break;  // no token of the block sees these keys
+        int64_t ik_stride;
+        b.compute(seq, k0, n, true, factor, ik_stride);
+        for (int64_t j = 0; j < iheads; ++j)
+          for (int64_t s = 0; s < kTk; ++s) {
+            __m512 c0, c1;
+            b.coef_row(j, s, c0, c1);
+            _mm512_store_si512(coef + (j * kTk + s) * kTq, (__m512i)_mm512_cvtne2ps_pbh(c1, c0));
+          }
+        for (int64_t kg = 0; kg < 2; ++kg)
+          for (int64_t dg = 0; dg < dgroups; dg += 2) {
+            float* c = dk + (sub * kTk + kg * 16) * idim + dg * 16;
+            _tile_loadd(0, c, dk_stride);
+            _tile_loadd(1, c + 16, dk_stride);
+            for (int64_t j = 0; j < iheads; ++j) {
+              _tile_loadd(4, coef + (j * kTk + kg * 16) * kTq, 64);
+              _tile_loadd(6, ivnni + (j * dgroups + dg) * 256, 64);
+              _tile_loadd(7, ivnni + (j * dgroups + dg + 1) * 256, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+            }
+            _tile_stored(0, c, dk_stride);
+            _tile_stored(1, c + 16, dk_stride);
           }
       }
-      for (int64_t kg = 0; kg < 2; ++kg)
-        for (int64_t dg = 0; dg < dgroups; dg += 2) {
-          float* c = dk + kg * 16 * idim + dg * 16;
-          _tile_loadd(0, c, dk_stride);
-          _tile_loadd(1, c + 16, dk_stride);
-          for (int64_t j = 0; j < iheads; ++j) {
-            _tile_loadd(4, coef + (j * kTk + kg * 16) * kTq, 64);
-            _tile_loadd(6, ivnni + (j * dgroups + dg) * 256, 64);
-            _tile_loadd(7, ivnni + (j * dgroups + dg + 1) * 256, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-          }
-          _tile_stored(0, c, dk_stride);
-          _tile_stored(1, c + 16, dk_stride);
-        }
     }
     _tile_release();
     auto* dk_out = static_cast<std::uint16_t*>(p.d_index_key) + (seq.k_begin + task.k0) * idim;
