@@ -250,7 +250,14 @@ struct DenseCase {
   CuSeqlens cu_q{0, 6, 14}, cu_k{0, 6, 22};
   Buffer iq, ik, w, q, k, qr, kr, mx, sm, lse;
 
-  DenseCase(DType dt, std::int64_t key_heads, std::uint32_t seed) : dtype(dt), Hk(key_heads) {
+  // tiles: dims the AMX kernel takes (multiples of 32) and sequences spanning
+  // several 32-query blocks and 32-key tiles, the last ones partial.
+  DenseCase(DType dt, std::int64_t key_heads, std::uint32_t seed, bool tiles = false) : dtype(dt), Hk(key_heads) {
+    if (tiles) {
+      T = 90, S = 190, D = 32, Dr = 32, Hi = 5, Di = 64;
+      cu_q = {0, 40, 90};
+      cu_k = {0, 40, 190};
+    }
     std::mt19937 rng(seed);
     iq = random_buffer({T, Hi, Di}, dtype, rng);
     ik = random_buffer({S, Di}, dtype, rng);
@@ -346,6 +353,40 @@ TEST_P(KlIsa, DenseDeterministicAcrossThreads) {
   expect_identical(one.dq, two.dq, "dq");
   expect_identical(one.dk, two.dk, "dk");
   expect_identical(one.dw, two.dw, "dw");
+}
+
+// bf16 shapes the dense AMX kernel takes (on AMX machines it runs; elsewhere the
+// generic kernels do): against the reference, MHA and MQA, and bit-identical for
+// 1, 2 and 3 threads.
+TEST(KlLossTiles, DenseBf16MatchesReference) {
+  for (core::Isa isa : {core::Isa::avx512, core::Isa::amx})
+  for (std::int64_t hk : {4, 1}) {
+    core::limit_isa_for_testing(isa);
+    DenseCase c(DType::bf16, hk, 31 + hk, true);
+    const DenseResult ref = run_dense(c, Backend::reference, 1, Reduction::mean);
+    const DenseResult cpu = run_dense(c, Backend::cpu, 2, Reduction::mean);
+    EXPECT_GT(ref.loss, 0.0f);
+    EXPECT_NEAR(cpu.loss, ref.loss, 2e-3 * std::abs(ref.loss) + 1e-6);
+    expect_close(cpu.lse, ref.lse, 1e-3, "indexer_lse");
+    // bf16 outputs and bf16 gradient coefficients in the tile products: a few bf16 ulps.
+    expect_close(cpu.dq, ref.dq, 2e-2, "d_index_query");
+    expect_close(cpu.dk, ref.dk, 2e-2, "d_index_key");
+    expect_close(cpu.dw, ref.dw, 2e-2, "d_head_weights");
+    core::limit_isa_for_testing(core::Isa::amx);
+  }
+}
+
+TEST(KlLossTiles, DenseBf16DeterministicAcrossThreads) {
+  DenseCase c(DType::bf16, 4, 37, true);
+  const DenseResult one = run_dense(c, Backend::cpu, 1, Reduction::mean);
+  for (int threads : {2, 3}) {
+    const DenseResult other = run_dense(c, Backend::cpu, threads, Reduction::mean);
+    EXPECT_EQ(one.loss, other.loss);
+    expect_identical(one.lse, other.lse, "lse");
+    expect_identical(one.dq, other.dq, "dq");
+    expect_identical(one.dk, other.dk, "dk");
+    expect_identical(one.dw, other.dw, "dw");
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, KlIsa,

@@ -35,101 +35,18 @@
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/kl_loss/kl_amx.h"
+#include "cpu/kl_loss/kl_amx_common.h"
 
 namespace dsa::cpu::kl_kernels {
 namespace {
 
 using std::int64_t;
+using namespace amx;
 
 constexpr int64_t kBlock = 32;   // entries per block: two 16-row A tiles
 constexpr int64_t kChunk = 32;   // bf16 elements per 64-byte tile row
 constexpr int64_t kSparseRows = 4;  // forward: rows per task
 constexpr int64_t kBwdRows = 32;    // backward: rows per dK block (fixed: results never depend on threads)
-
-// Palette 1, eight 16 x 64-byte tiles. In static storage: gcc does not model
-// ldtilecfg as reading the whole block and may drop a stack copy's stores.
-struct alignas(64) TileConfig {
-  std::uint8_t palette = 1;
-  std::uint8_t start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  std::uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-static_assert(sizeof(TileConfig) == 64);
-alignas(64) const TileConfig kTileConfig{};
-
-void configure_tiles() { _tile_loadconfig(&kTileConfig); }
-
-// 16x16 transpose of 32-bit elements held in 16 registers.
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
-    t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
-    t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
-    t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
-  }
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-    r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
-  }
-}
-
-// exp for lanes (Cephes-style, ~1 ulp), NaN propagates, exact 0 below -87.
-inline __m512 exp512(__m512 x) {
-  const __m512 c = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), c);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  const __m512 out = _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
-  return _mm512_mask_mov_ps(out, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
-}
-
-// Natural log for normal positive lanes (Cephes-style).
-inline __m512 log512(__m512 x) {
-  __m512i bits = _mm512_castps_si512(x);
-  __m512 e = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(126)));
-  bits = _mm512_or_si512(_mm512_and_si512(bits, _mm512_set1_epi32(0x007fffff)), _mm512_set1_epi32(0x3f000000));
-  __m512 m = _mm512_castsi512_ps(bits);
-  const __mmask16 small = _mm512_cmp_ps_mask(m, _mm512_set1_ps(0.707106781186547524f), _CMP_LT_OQ);
-  e = _mm512_mask_sub_ps(e, small, e, _mm512_set1_ps(1.0f));
-  m = _mm512_mask_add_ps(_mm512_sub_ps(m, _mm512_set1_ps(1.0f)), small, m, _mm512_sub_ps(m, _mm512_set1_ps(1.0f)));
-  const __m512 z = _mm512_mul_ps(m, m);
-  __m512 y = _mm512_set1_ps(7.0376836292e-2f);
-  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-1.1514610310e-1f));
-  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(1.1676998740e-1f));
-  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-1.2420140846e-1f));
-  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(1.4249322787e-1f));
-  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-1.6668057665e-1f));
-  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(2.0000714765e-1f));
-  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(-2.4999993993e-1f));
-  y = _mm512_fmadd_ps(y, m, _mm512_set1_ps(3.3333331174e-1f));
-  y = _mm512_mul_ps(_mm512_mul_ps(y, m), z);
-  y = _mm512_fmadd_ps(_mm512_set1_ps(-2.12194440e-4f), e, y);
-  y = _mm512_fmadd_ps(_mm512_set1_ps(-0.5f), z, y);
-  return _mm512_fmadd_ps(_mm512_set1_ps(0.693359375f), e, _mm512_add_ps(m, y));
-}
 
 // B operand from a row's heads: tile (chunk c, head group g) row r holds, for
 // heads 16g..16g+15, the dim pair (32c + 2r, 32c + 2r + 1). out: [chunks][groups][256] u32.
@@ -165,11 +82,6 @@ inline void pack_rows_vnni(const std::uint16_t* m, int64_t row_stride, int64_t s
         _mm512_store_si512(tile + r * 16, _mm512_permutexvar_epi16(interleave, ab));
       }
     }
-}
-
-template <class T>
-T* align64(std::vector<std::uint8_t>& v) {
-  return reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t(63));
 }
 
 struct RowRef {

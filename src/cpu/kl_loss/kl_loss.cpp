@@ -45,8 +45,14 @@ void kl_loss_bwd(const SparseKlBackwardProblem& p) {
     return kl_kernels::amx_sparse_bwd(p);
   pick().sparse_bwd(p);
 }
-void dense_indexer_kl_loss_fwd(const DenseKlProblem& p) { pick().dense_fwd(p); }
-void dense_indexer_kl_loss_bwd(const DenseKlProblem& p) { pick().dense_bwd(p); }
+void dense_indexer_kl_loss_fwd(const DenseKlProblem& p) {
+  if (core::cpu_isa() == core::Isa::amx && kl_kernels::amx_dense_supported(p)) return kl_kernels::amx_dense_fwd(p);
+  pick().dense_fwd(p);
+}
+void dense_indexer_kl_loss_bwd(const DenseKlProblem& p) {
+  if (core::cpu_isa() == core::Isa::amx && kl_kernels::amx_dense_supported(p)) return kl_kernels::amx_dense_bwd(p);
+  pick().dense_bwd(p);
+}
 
 void dense_indexer_lse(const DenseLseProblem& p) {
   using namespace indexer_kernels;
