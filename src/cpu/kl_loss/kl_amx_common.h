@@ -11,48 +11,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu/isa/amx.h"
+
 namespace dsa::cpu::kl_kernels::amx {
 
-// Palette 1, eight 16 x 64-byte tiles. In static storage: gcc does not model
-// ldtilecfg as reading the whole block and may drop a stack copy's stores.
-struct alignas(64) TileConfig {
-  std::uint8_t palette = 1;
-  std::uint8_t start_row = 0;
-  std::uint8_t reserved[14] = {};
-  std::uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  std::uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
-static_assert(sizeof(TileConfig) == 64);
-alignas(64) inline const TileConfig kTileConfig{};
-
-inline void configure_tiles() { _tile_loadconfig(&kTileConfig); }
-
-// 16x16 transpose of 32-bit elements held in 16 registers.
-inline void transpose16x16(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    t[j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
-    t[4 + j] = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
-    t[8 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
-    t[12 + j] = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
-  }
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0x88);
-    r[8 + j] = _mm512_shuffle_i32x4(t[j], t[8 + j], 0xdd);
-    r[4 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0x88);
-    r[12 + j] = _mm512_shuffle_i32x4(t[4 + j], t[12 + j], 0xdd);
-  }
-}
+using ::dsa::cpu::amx::configure_tiles;
+using ::dsa::cpu::amx::transpose16x16;
 
 // exp for lanes (Cephes-style, ~1 ulp), NaN propagates, exact 0 below -87.
 inline __m512 exp512(__m512 x) {
