@@ -5,30 +5,13 @@
 #include "core/thread_pool.h"
 #include "core/validate.h"
 #include "dsa/dense_indexer.h"
+#include "ops/indexer.h"
 #include "ops/kl_loss.h"
 
 namespace dsa {
 namespace {
 
 using namespace core;
-
-void validate_indexer(const TensorView& index_query, const TensorView& index_key,
-                      const TensorView& head_weights, int lead) {
-  const bool tnd = lead == 0;
-  require_float_input(index_query, "index_query", {3 + lead}, tnd ? "[T, Hi, Di]" : "[B, Sq, Hi, Di]");
-  require_float_input(index_key, "index_key", {2 + lead, 3 + lead},
-                      tnd ? "[S, Di] or [S, 1, Di]" : "[B, Sk, Di] or [B, Sk, 1, Di]");
-  require_float_input(head_weights, "head_weights", {2 + lead}, tnd ? "[T, Hi]" : "[B, Sq, Hi]");
-  if (index_key.dtype != index_query.dtype)
-    fail_argument("index_key: expected the dtype of index_query (", dtype_name(index_query.dtype),
-                  "), got ", dtype_name(index_key.dtype));
-  if (index_key.ndim == 3 + lead) require_size(index_key, "index_key", 1 + lead, 1, "one shared key head");
-  require_size(index_key, "index_key", -1, index_query.size(-1), "Di of index_query");
-  for (int d = 0; d <= lead; ++d)
-    require_size(head_weights, "head_weights", d, index_query.size(d), "the leading dims of index_query");
-  require_size(head_weights, "head_weights", -1, index_query.size(-2), "Hi of index_query");
-  if (!tnd) require_size(index_key, "index_key", 0, index_query.size(0), "B of index_query");
-}
 
 HeadMatrix weights_matrix(const TensorView& w, int lead) {
   HeadMatrix m = detail::head_matrix(w, lead, "head_weights");
@@ -73,7 +56,7 @@ DenseKlProblem make_dense_kl(const TensorView& index_query, const TensorView& in
   const int lead = tnd ? 0 : 1;
   require_float_input(query, "query", {3 + lead}, tnd ? "[T, H, D]" : "[B, Sq, H, D]");
   backend = resolve_backend(backend, query.device);
-  validate_indexer(index_query, index_key, head_weights, lead);
+  validate_indexer_inputs(index_query, index_key, head_weights, "head_weights", lead);
   require_float_input(key, "key", {2 + lead, 3 + lead}, tnd ? "[S, Hk, D] or [S, D]" : "[B, Sk, Hk, D] or [B, Sk, D]");
   if (key.dtype != query.dtype)
     fail_argument("key: expected the dtype of query (", dtype_name(query.dtype), "), got ", dtype_name(key.dtype));
@@ -135,7 +118,7 @@ void dense_indexer_lse(const TensorView& index_query, const TensorView& index_ke
   const int lead = tnd ? 0 : 1;
   require_float_input(index_query, "index_query", {3 + lead}, tnd ? "[T, Hi, Di]" : "[B, Sq, Hi, Di]");
   backend = resolve_backend(backend, index_query.device);
-  validate_indexer(index_query, index_key, head_weights, lead);
+  validate_indexer_inputs(index_query, index_key, head_weights, "head_weights", lead);
   if (params.cmp_ratio < 1) fail_argument("cmp_ratio: expected an integer >= 1, got ", params.cmp_ratio);
   if (!std::isfinite(params.scale)) fail_argument("scale: expected a finite number, got ", params.scale);
   require_lse(indexer_lse, index_query, lead);

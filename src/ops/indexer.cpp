@@ -9,29 +9,34 @@
 
 namespace dsa {
 
+void validate_indexer_inputs(const TensorView& index_query, const TensorView& index_key,
+                             const TensorView& weights, const char* weights_name, int lead) {
+  using namespace core;
+  const bool tnd = lead == 0;
+  require_float_input(index_query, "index_query", {3 + lead}, tnd ? "[T, Hi, Di]" : "[B, Sq, Hi, Di]");
+  require_float_input(index_key, "index_key", {2 + lead, 3 + lead},
+                      tnd ? "[S, Di] or [S, 1, Di]" : "[B, Sk, Di] or [B, Sk, 1, Di]");
+  require_float_input(weights, weights_name, {2 + lead}, tnd ? "[T, Hi]" : "[B, Sq, Hi]");
+  if (index_key.dtype != index_query.dtype)
+    fail_argument("index_key: expected the dtype of index_query (", dtype_name(index_query.dtype),
+                  "), got ", dtype_name(index_key.dtype));
+  if (index_key.ndim == 3 + lead) require_size(index_key, "index_key", 1 + lead, 1, "one shared key head");
+  require_size(index_key, "index_key", -1, index_query.size(-1), "Di of index_query");
+  for (int d = 0; d <= lead; ++d)
+    require_size(weights, weights_name, d, index_query.size(d), "the leading dims of index_query");
+  require_size(weights, weights_name, -1, index_query.size(-2), "Hi of index_query");
+  if (!tnd) require_size(index_key, "index_key", 0, index_query.size(0), "B of index_query");
+}
+
 void indexer_topk(const TensorView& index_query, const TensorView& index_key,
                   const TensorView& weights, const IndexerParams& params,
                   const TensorView& indices, const TensorView& scores, Backend backend) {
   using namespace core;
   const bool tnd = params.layout == Layout::TND;
   const int lead = tnd ? 0 : 1;  // BSND has one more leading dim
-  require_float_input(index_query, "index_query", {3 + lead},
-                      tnd ? "[T, Hi, Di]" : "[B, Sq, Hi, Di]");
-  require_float_input(index_key, "index_key", {2 + lead, 3 + lead},
-                      tnd ? "[S, Di] or [S, 1, Di]" : "[B, Sk, Di] or [B, Sk, 1, Di]");
-  require_float_input(weights, "weights", {2 + lead}, tnd ? "[T, Hi]" : "[B, Sq, Hi]");
+  validate_indexer_inputs(index_query, index_key, weights, "weights", lead);
   backend = resolve_backend(backend, index_query.device);
-
   const std::int64_t heads = index_query.size(-2), dim = index_query.size(-1);
-  if (index_key.dtype != index_query.dtype)
-    fail_argument("index_key: expected the dtype of index_query (", dtype_name(index_query.dtype),
-                  "), got ", dtype_name(index_key.dtype));
-  if (index_key.ndim == 3 + lead) require_size(index_key, "index_key", 1 + lead, 1, "one shared key head");
-  require_size(index_key, "index_key", -1, dim, "Di of index_query");
-  for (int d = 0; d <= lead; ++d)
-    require_size(weights, "weights", d, index_query.size(d), "the leading dims of index_query");
-  require_size(weights, "weights", -1, heads, "Hi of index_query");
-  if (!tnd) require_size(index_key, "index_key", 0, index_query.size(0), "B of index_query");
   if (params.topk <= 0) fail_argument("topk: expected a positive integer, got ", params.topk);
   if (params.cmp_ratio < 1) fail_argument("cmp_ratio: expected an integer >= 1, got ", params.cmp_ratio);
   if (!std::isfinite(params.scale)) fail_argument("scale: expected a finite number, got ", params.scale);

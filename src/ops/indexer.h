@@ -29,6 +29,12 @@ struct IndexerProblem {
   core::SequencePlan plan;
 };
 
+// Validates the indexer inputs every indexer-scoring op takes (dsa_indexer, the
+// KL losses, the dense LSE): ranks, dtypes, one shared key head, matching Hi/Di
+// and leading dims. `lead` is 0 for TND, 1 for BSND.
+void validate_indexer_inputs(const TensorView& index_query, const TensorView& index_key,
+                             const TensorView& weights, const char* weights_name, int lead);
+
 namespace reference {
 void indexer_topk(const IndexerProblem& problem);
 }

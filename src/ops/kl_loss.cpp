@@ -6,6 +6,7 @@
 
 #include "core/thread_pool.h"
 #include "core/validate.h"
+#include "ops/indexer.h"
 
 namespace dsa {
 
@@ -66,19 +67,7 @@ void validate_indexer_side(const TensorView& indices, const TensorView& index_qu
                            const TensorView& index_key, const TensorView& weights,
                            const KlLossParams& params, int lead) {
   const bool tnd = lead == 0;
-  require_float_input(index_query, "index_query", {3 + lead}, tnd ? "[T, Hi, Di]" : "[B, Sq, Hi, Di]");
-  require_float_input(index_key, "index_key", {2 + lead, 3 + lead},
-                      tnd ? "[S', Di] or [S', 1, Di]" : "[B, Sk', Di] or [B, Sk', 1, Di]");
-  require_float_input(weights, "weights", {2 + lead}, tnd ? "[T, Hi]" : "[B, Sq, Hi]");
-  if (index_key.dtype != index_query.dtype)
-    fail_argument("index_key: expected the dtype of index_query (", dtype_name(index_query.dtype),
-                  "), got ", dtype_name(index_key.dtype));
-  if (index_key.ndim == 3 + lead) require_size(index_key, "index_key", 1 + lead, 1, "one shared key head");
-  require_size(index_key, "index_key", -1, index_query.size(-1), "Di of index_query");
-  for (int d = 0; d <= lead; ++d)
-    require_size(weights, "weights", d, index_query.size(d), "the leading dims of index_query");
-  require_size(weights, "weights", -1, index_query.size(-2), "Hi of index_query");
-  if (!tnd) require_size(index_key, "index_key", 0, index_query.size(0), "B of index_query");
+  validate_indexer_inputs(index_query, index_key, weights, "weights", lead);
 
   require_present(indices, "indices");
   require_cpu(indices, "indices");
