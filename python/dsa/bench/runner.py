@@ -19,7 +19,8 @@ from .case import FUSED, NAIVE, REFERENCE, Case
 IMPL_ORDER = (FUSED, NAIVE, REFERENCE)
 
 # Timing: at least MIN_REPEATS timed runs, more while they fit in TIME_BUDGET_S.
-MIN_REPEATS, MAX_REPEATS, TIME_BUDGET_S = 3, 25, 1.5
+MIN_REPEATS, MAX_REPEATS, SLOW_RUN_S = 20.0  # a run this long is timed once
+TIME_BUDGET_S = 3, 25, 1.5
 
 
 def load_cases() -> list[Case]:
@@ -64,6 +65,8 @@ def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int]) -> list[float]
     auto = repeats is None
     if auto:
         repeats = int(min(MAX_REPEATS, max(MIN_REPEATS, TIME_BUDGET_S / max(estimate, 1e-6))))
+        if estimate > SLOW_RUN_S:  # minutes-long naive peers: one timed run after the warm-up
+            repeats = 1
     times: list[float] = []
     start = time.perf_counter()
     for _ in range(repeats):
