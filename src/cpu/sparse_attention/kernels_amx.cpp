@@ -178,6 +178,16 @@ void gather_block(const Shape& s, const Dims& d, const KeyRows& keys, std::int64
   }
 }
 
+// Asks for the next block's scattered key rows while the tiles work on this
+// one: the gather is a random walk over kv that the hardware prefetcher cannot follow.
+void prefetch_block(const Shape& s, const KeyRows& keys, std::int64_t first, std::int64_t n) {
+  for (std::int64_t k = 0; k < n; ++k) {
+    const char* row = reinterpret_cast<const char*>(keys.main[first + k]);
+    for (std::int64_t byte = 0; byte < s.dim * 2; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T1);
+    if (s.rope_dim) _mm_prefetch(reinterpret_cast<const char*>(keys.rope[first + k]), _MM_HINT_T1);
+  }
+}
+
 // out[2c] = a[c], out[2c + 1] = b[c] for c < cols, zeros up to cols_pad.
 void interleave_rows(const std::uint16_t* a, const std::uint16_t* b, std::int64_t cols, std::int64_t cols_pad,
                      std::uint16_t* out) {
@@ -216,6 +226,7 @@ void amx_forward_row(const Shape& s, const float* sinks, const QueryRow& query, 
   for (std::int64_t first = 0; first < keys.count; first += kBlock) {
     const std::int64_t n = std::min(kBlock, keys.count - first);
     gather_block(s, d, keys, first, n, b.kb, b.vv, s.d_v, d.dvp);
+    prefetch_block(s, keys, first + kBlock, std::min(kBlock, keys.count - first - kBlock));
     const std::int64_t key_tiles = (n + 15) / 16;
 
     // S^T = Kb . Q^T, 2 key tiles x 2 head groups of C at a time.
