@@ -14,10 +14,7 @@ void register_indexer(nb::module_& m) {
         p.topk = topk;
         p.scale = static_cast<float>(scale);
         p.cmp_ratio = cmp_ratio;
-        p.layout = parse_layout(layout);
-        p.cu_seqlens_q = std::move(cu_seqlens_q);
-        p.cu_seqlens_k = std::move(cu_seqlens_k);
-        p.num_threads = num_threads;
+        set_sequence_params(p, std::move(cu_seqlens_q), std::move(cu_seqlens_k), layout, num_threads);
         const Backend b = parse_backend(backend);
         const TensorView q = to_view(index_query, "index_query"), k = to_view(index_key, "index_key"),
                          w = to_view(weights, "weights"), i = to_view(indices, "indices"),

@@ -16,12 +16,9 @@ void register_kl_loss(nb::module_& m) {
           p.scale = static_cast<float>(scale);
           p.index_scale = static_cast<float>(index_scale);
           p.cmp_ratio = cmp_ratio;
-          p.cu_seqlens_q = std::move(cu_q);
-          p.cu_seqlens_k = std::move(cu_k);
-          p.layout = parse_layout(layout);
+          set_sequence_params(p, std::move(cu_q), std::move(cu_k), layout, num_threads);
           p.loss_coefficient = static_cast<float>(loss_coefficient);
           p.reduction = parse_reduction(reduction.c_str());
-          p.num_threads = num_threads;
           const Backend b = parse_backend(backend);
           const TensorView v[] = {to_view(query, "query"), to_view(kv, "kv"), to_view(indices, "indices"),
                                   to_view(softmax_max, "softmax_max"), to_view(softmax_sum, "softmax_sum"),
@@ -39,10 +36,7 @@ void register_kl_loss(nb::module_& m) {
           KlLossParams p;
           p.index_scale = static_cast<float>(index_scale);
           p.cmp_ratio = cmp_ratio;
-          p.cu_seqlens_q = std::move(cu_q);
-          p.cu_seqlens_k = std::move(cu_k);
-          p.layout = parse_layout(layout);
-          p.num_threads = num_threads;
+          set_sequence_params(p, std::move(cu_q), std::move(cu_k), layout, num_threads);
           const Backend b = parse_backend(backend);
           const TensorView v[] = {to_view(indices, "indices"), to_view(index_query, "index_query"),
                                   to_view(index_key, "index_key"), to_view(weights, "weights"),
@@ -57,10 +51,7 @@ void register_kl_loss(nb::module_& m) {
           DenseIndexerLseParams p;
           p.scale = static_cast<float>(scale);
           p.cmp_ratio = cmp_ratio;
-          p.cu_seqlens_q = std::move(cu_q);
-          p.cu_seqlens_k = std::move(cu_k);
-          p.layout = parse_layout(layout);
-          p.num_threads = num_threads;
+          set_sequence_params(p, std::move(cu_q), std::move(cu_k), layout, num_threads);
           const Backend b = parse_backend(backend);
           const TensorView q = to_view(index_query, "index_query"), k = to_view(index_key, "index_key"),
                            w = to_view(head_weights, "head_weights"), l = to_view(lse, "indexer_lse");
@@ -72,12 +63,9 @@ void register_kl_loss(nb::module_& m) {
     DenseIndexerKlParams p;
     p.scale = static_cast<float>(scale);
     p.index_scale = static_cast<float>(index_scale);
-    p.cu_seqlens_q = std::move(cu_q);
-    p.cu_seqlens_k = std::move(cu_k);
-    p.layout = parse_layout(layout);
+    set_sequence_params(p, std::move(cu_q), std::move(cu_k), layout, num_threads);
     p.loss_coefficient = static_cast<float>(loss_coefficient);
     p.reduction = parse_reduction(reduction.c_str());
-    p.num_threads = num_threads;
     return p;
   };
   m.def("dense_indexer_kl_loss_fwd",

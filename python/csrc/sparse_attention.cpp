@@ -11,10 +11,7 @@ SparseAttentionParams make_params(double scale, std::int64_t d_v, std::int64_t w
   p.d_v = d_v;
   p.window = window;
   p.cmp_ratio = cmp_ratio;
-  p.layout = parse_layout(layout);
-  p.cu_seqlens_q = std::move(cu_seqlens_q);
-  p.cu_seqlens_k = std::move(cu_seqlens_k);
-  p.num_threads = num_threads;
+  set_sequence_params(p, std::move(cu_seqlens_q), std::move(cu_seqlens_k), layout, num_threads);
   return p;
 }
 

@@ -22,6 +22,18 @@ namespace nb = nanobind;
 TensorView to_view(const nb::ndarray<>& array, const char* name);
 TensorView to_view(const std::optional<nb::ndarray<>>& array, const char* name);
 
+// Fills the fields every op's params struct shares: the layout, the query and
+// key cu_seqlens and the thread count.
+template <class Params>
+void set_sequence_params(Params& p, std::vector<std::int64_t> cu_seqlens_q,
+                         std::vector<std::int64_t> cu_seqlens_k, const std::string& layout,
+                         int num_threads) {
+  p.layout = parse_layout(layout);
+  p.cu_seqlens_q = std::move(cu_seqlens_q);
+  p.cu_seqlens_k = std::move(cu_seqlens_k);
+  p.num_threads = num_threads;
+}
+
 // Registers one op family's functions; each lives in its own file.
 void register_core(nb::module_& m);
 void register_indexer(nb::module_& m);

@@ -142,6 +142,18 @@ struct AlignedFloats {
   }
 };
 
+// Per-thread slot list and aligned float scratch of the forward and backward.
+struct ThreadScratch {
+  std::vector<std::vector<SlotRef>> slots;
+  std::vector<AlignedFloats> floats;
+  ThreadScratch(const CompressorProblem& p, const Tasks& t) {
+    const std::int64_t max_slots = (p.overlap ? 2 : 1) * p.ratio;
+    slots.assign(p.num_threads, std::vector<SlotRef>(max_slots));
+    floats.reserve(p.num_threads);  // no reallocation: `data` points into each element
+    for (int i = 0; i < p.num_threads; ++i) floats.emplace_back(scratch_floats(max_slots, t.chunk_width));
+  }
+};
+
 }  // namespace
 
 void compressor_fwd(const CompressorProblem& p) {
@@ -155,17 +167,13 @@ void compressor_fwd(const CompressorProblem& p) {
                   static_cast<std::size_t>((s.out_extent - s.entries) * c) * es);
   const Tasks t = plan_tasks(p);
   if (t.entries.empty() || c == 0) return;
-  const std::int64_t max_slots = (p.overlap ? 2 : 1) * p.ratio;
-  std::vector<std::vector<SlotRef>> slot_buffers(p.num_threads, std::vector<SlotRef>(max_slots));
-  std::vector<AlignedFloats> scratch;
-  scratch.reserve(p.num_threads);  // no reallocation: `data` points into each element
-  for (int i = 0; i < p.num_threads; ++i) scratch.emplace_back(scratch_floats(max_slots, t.chunk_width));
+  ThreadScratch scratch(p, t);
   core::parallel_for(t.groups * t.chunks, p.num_threads, [&](std::int64_t task, int thread) {
     const std::int64_t group = task / t.chunks, chunk = task % t.chunks;
     const std::int64_t c0 = chunk * t.chunk_width, width = std::min(t.chunk_width, c - c0);
     const std::int64_t first = group * t.group_size;
     const std::int64_t last = std::min<std::int64_t>(first + t.group_size, t.entries.size());
-    SlotRef* slots = slot_buffers[thread].data();
+    SlotRef* slots = scratch.slots[thread].data();
     for (std::int64_t i = first; i < last; ++i) {
       const Entry& e = t.entries[i];
       PoolArgs args{};
@@ -174,7 +182,7 @@ void compressor_fwd(const CompressorProblem& p) {
       args.slots = slots;
       args.width = width;
       args.out = at<void>(p.compressed, e.out_row * c + c0, es);
-      args.scratch = scratch[thread].data;
+      args.scratch = scratch.floats[thread].data;
       kernel.forward(args);
     }
   });
@@ -200,12 +208,8 @@ void compressor_bwd(const CompressorProblem& p) {
     std::fill(p.grad_position_bias, p.grad_position_bias + m * C, 0.0f);
     return;
   }
-  const std::int64_t max_slots = (p.overlap ? 2 : 1) * m;
   std::vector<float> partials(static_cast<std::size_t>(t.groups * m * C));
-  std::vector<std::vector<SlotRef>> slot_buffers(p.num_threads, std::vector<SlotRef>(max_slots));
-  std::vector<AlignedFloats> scratch;
-  scratch.reserve(p.num_threads);  // no reallocation: `data` points into each element
-  for (int i = 0; i < p.num_threads; ++i) scratch.emplace_back(scratch_floats(max_slots, t.chunk_width));
+  ThreadScratch scratch(p, t);
 
   core::parallel_for(t.groups * t.chunks, p.num_threads, [&](std::int64_t task, int thread) {
     const std::int64_t group = task / t.chunks, chunk = task % t.chunks;
@@ -216,7 +220,7 @@ void compressor_bwd(const CompressorProblem& p) {
     for (std::int64_t j = 0; j < m; ++j)
       for (std::int64_t half = 0; half < (p.overlap ? 2 : 1); ++half)
         std::fill_n(partial + j * C + half * c + c0, width, 0.0f);
-    SlotRef* slots = slot_buffers[thread].data();
+    SlotRef* slots = scratch.slots[thread].data();
     for (std::int64_t i = first; i < last; ++i) {
       const Entry& e = t.entries[i];
       PoolArgs args{};
@@ -225,7 +229,7 @@ void compressor_bwd(const CompressorProblem& p) {
       args.slots = slots;
       args.width = width;
       args.grad_out = at<const void>(p.grad_compressed, e.out_row * p.grad_compressed_row_stride + c0, es);
-      args.scratch = scratch[thread].data;
+      args.scratch = scratch.floats[thread].data;
       kernel.backward(args);
       // The [0, c) half of a sequence's last block feeds no entry.
       if (p.overlap && e.last)
