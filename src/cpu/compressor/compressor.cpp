@@ -1,13 +1,14 @@
 // Fused CPU KV compressor (spec/ops.md 4.5): one streaming pass per block.
 //
-// Work is split into tasks of (a group of consecutive compressed entries) x
-// (a chunk of output channels; today one chunk spans every channel). The groups are cut from the flattened list of
-// entries of all sequences with a fixed size (kGroupTokens raw tokens), never
-// from the thread count, and every output element is written by exactly one
-// task with the slots visited in a fixed order; the backward's position_bias
-// gradient is summed per group and then over groups in group order. So any
-// thread count gives the same bits. Scratch is one strip of softmax weights
-// per thread plus one [m, C] fp32 partial per group.
+// Work is split into tasks of consecutive compressed entries (whole rows, so
+// a task streams contiguous memory, which the hardware prefetchers follow).
+// The groups are cut from the flattened list of entries of all sequences with
+// a fixed size (kGroupTokens raw tokens), never from the thread count, and
+// every output element is written by exactly one task with the slots visited
+// in a fixed order; the backward's position_bias gradient is summed per group
+// and then over groups in group order. So any thread count gives the same
+// bits. Scratch is one 64-channel strip of softmax weights per thread plus
+// one [m, C] fp32 partial per group.
 #include <algorithm>
 #include <cstring>
 #include <cstdint>
@@ -32,12 +33,10 @@ using namespace compressor_kernels;
 // stay small next to the tensors (m * C fp32 per group), small enough to give
 // a 16k-token call 16 tasks.
 constexpr std::int64_t kGroupTokens = 1024;
-// Output channels per task: whole rows, so a task streams contiguous memory
-// (what the hardware prefetchers follow) instead of a strided column slice
-// that another task re-walks later -- unless the per-thread logit scratch,
-// (slots + 1) * chunk floats, would pass kScratchFloats (very large ratios);
-// then chunks of a multiple of 64 channels keep it bounded.
-constexpr std::int64_t kScratchFloats = std::int64_t{256} << 10;  // 1 MiB
+// Gradients at least this large (bytes each) are streamed past the caches:
+// far more than L2 holds, so a cached store would first read each line in
+// (read-for-ownership) only to evict it again before anyone reads it.
+constexpr std::int64_t kStreamBytes = std::int64_t{4} << 20;
 
 const PoolKernel& pick_kernel() {
   switch (core::cpu_isa()) {
@@ -59,8 +58,6 @@ struct Tasks {
   std::vector<Entry> entries;
   std::int64_t group_size = 1;  // entries per group
   std::int64_t groups = 0;
-  std::int64_t chunks = 0;
-  std::int64_t chunk_width = 0;
 };
 
 Tasks plan_tasks(const CompressorProblem& p) {
@@ -71,10 +68,6 @@ Tasks plan_tasks(const CompressorProblem& p) {
   t.group_size = std::max<std::int64_t>(1, kGroupTokens / p.ratio);
   const std::int64_t n = static_cast<std::int64_t>(t.entries.size());
   t.groups = (n + t.group_size - 1) / t.group_size;
-  const std::int64_t slots = (p.overlap ? 2 : 1) * p.ratio;
-  const std::int64_t bounded = std::max<std::int64_t>(64, kScratchFloats / (slots + 1) / 64 * 64);
-  t.chunk_width = std::min<std::int64_t>(bounded, std::max<std::int64_t>(p.channels, 1));
-  t.chunks = (p.channels + t.chunk_width - 1) / t.chunk_width;
   return t;
 }
 
@@ -89,15 +82,15 @@ T* at(void* base, std::int64_t elements, std::size_t esize) {
   return reinterpret_cast<T*>(static_cast<char*>(base) + elements * static_cast<std::int64_t>(esize));
 }
 
-// Fills the slots of entry e for channels starting at c0 (spec order: with
-// overlap, block w-1 on [0, c) then block w on [c, 2c)).
-std::int64_t fill_slots(const CompressorProblem& p, const Entry& e, std::int64_t c0,
-                        bool backward, float* bias_partial, SlotRef* slots) {
+// Fills the slots of entry e (spec order: with overlap, block w-1 on [0, c)
+// then block w on [c, 2c)).
+std::int64_t fill_slots(const CompressorProblem& p, const Entry& e, bool backward, float* bias_partial,
+                        SlotRef* slots) {
   const std::size_t es = element_size(p.dtype);
   const std::int64_t m = p.ratio, C = p.in_channels;
   std::int64_t n = 0;
   auto add = [&](std::int64_t row, std::int64_t offset, std::int64_t j) {
-    const std::int64_t col = offset + c0;
+    const std::int64_t col = offset;
     SlotRef& s = slots[n++];
     s.kv = at<void>(p.kv, row * p.kv_row_stride + col, es);
     s.gate = at<void>(p.gate, row * p.gate_row_stride + col, es);
@@ -112,6 +105,14 @@ std::int64_t fill_slots(const CompressorProblem& p, const Entry& e, std::int64_t
     for (std::int64_t j = 0; j < m; ++j) add(e.token_row - m + j, 0, j);
   for (std::int64_t j = 0; j < m; ++j) add(e.token_row + j, p.overlap ? p.channels : 0, j);
   return n;
+}
+
+// Without overlap the next entry of a sequence pools the m rows after this
+// entry's: the kernels prefetch them (kv and gate must share a row stride for
+// one offset to serve both).
+std::int64_t next_offset(const CompressorProblem& p, const Entry& e) {
+  if (p.overlap || e.last || p.kv_row_stride != p.gate_row_stride) return 0;
+  return p.ratio * p.kv_row_stride * static_cast<std::int64_t>(element_size(p.dtype));
 }
 
 // Gradient buffers are usually fresh allocations (autograd), so their first
@@ -146,11 +147,12 @@ struct AlignedFloats {
 struct ThreadScratch {
   std::vector<std::vector<SlotRef>> slots;
   std::vector<AlignedFloats> floats;
-  ThreadScratch(const CompressorProblem& p, const Tasks& t) {
+  explicit ThreadScratch(const CompressorProblem& p) {
     const std::int64_t max_slots = (p.overlap ? 2 : 1) * p.ratio;
     slots.assign(p.num_threads, std::vector<SlotRef>(max_slots));
     floats.reserve(p.num_threads);  // no reallocation: `data` points into each element
-    for (int i = 0; i < p.num_threads; ++i) floats.emplace_back(scratch_floats(max_slots, t.chunk_width));
+    for (int i = 0; i < p.num_threads; ++i)
+      floats.emplace_back(std::max(scratch_floats(max_slots), max_slots));
   }
 };
 
@@ -167,10 +169,8 @@ void compressor_fwd(const CompressorProblem& p) {
                   static_cast<std::size_t>((s.out_extent - s.entries) * c) * es);
   const Tasks t = plan_tasks(p);
   if (t.entries.empty() || c == 0) return;
-  ThreadScratch scratch(p, t);
-  core::parallel_for(t.groups * t.chunks, p.num_threads, [&](std::int64_t task, int thread) {
-    const std::int64_t group = task / t.chunks, chunk = task % t.chunks;
-    const std::int64_t c0 = chunk * t.chunk_width, width = std::min(t.chunk_width, c - c0);
+  ThreadScratch scratch(p);
+  core::parallel_for(t.groups, p.num_threads, [&](std::int64_t group, int thread) {
     const std::int64_t first = group * t.group_size;
     const std::int64_t last = std::min<std::int64_t>(first + t.group_size, t.entries.size());
     SlotRef* slots = scratch.slots[thread].data();
@@ -178,11 +178,12 @@ void compressor_fwd(const CompressorProblem& p) {
       const Entry& e = t.entries[i];
       PoolArgs args{};
       args.dtype = p.dtype;
-      args.slot_count = fill_slots(p, e, c0, false, nullptr, slots);
+      args.slot_count = fill_slots(p, e, false, nullptr, slots);
       args.slots = slots;
-      args.width = width;
-      args.out = at<void>(p.compressed, e.out_row * c + c0, es);
+      args.width = c;
+      args.out = at<void>(p.compressed, e.out_row * c, es);
       args.scratch = scratch.floats[thread].data;
+      args.next_offset = next_offset(p, e);
       kernel.forward(args);
     }
   });
@@ -209,34 +210,33 @@ void compressor_bwd(const CompressorProblem& p) {
     return;
   }
   std::vector<float> partials(static_cast<std::size_t>(t.groups * m * C));
-  ThreadScratch scratch(p, t);
+  const bool stream = p.rows * C * static_cast<std::int64_t>(es) >= kStreamBytes;
+  ThreadScratch scratch(p);
 
-  core::parallel_for(t.groups * t.chunks, p.num_threads, [&](std::int64_t task, int thread) {
-    const std::int64_t group = task / t.chunks, chunk = task % t.chunks;
-    const std::int64_t c0 = chunk * t.chunk_width, width = std::min(t.chunk_width, c - c0);
+  core::parallel_for(t.groups, p.num_threads, [&](std::int64_t group, int thread) {
     const std::int64_t first = group * t.group_size;
     const std::int64_t last = std::min<std::int64_t>(first + t.group_size, t.entries.size());
     float* partial = partials.data() + group * m * C;
-    for (std::int64_t j = 0; j < m; ++j)
-      for (std::int64_t half = 0; half < (p.overlap ? 2 : 1); ++half)
-        std::fill_n(partial + j * C + half * c + c0, width, 0.0f);
+    std::fill_n(partial, m * C, 0.0f);
     SlotRef* slots = scratch.slots[thread].data();
     for (std::int64_t i = first; i < last; ++i) {
       const Entry& e = t.entries[i];
       PoolArgs args{};
       args.dtype = p.dtype;
-      args.slot_count = fill_slots(p, e, c0, true, partial, slots);
+      args.slot_count = fill_slots(p, e, true, partial, slots);
       args.slots = slots;
-      args.width = width;
-      args.grad_out = at<const void>(p.grad_compressed, e.out_row * p.grad_compressed_row_stride + c0, es);
+      args.width = c;
+      args.grad_out = at<const void>(p.grad_compressed, e.out_row * p.grad_compressed_row_stride, es);
       args.scratch = scratch.floats[thread].data;
+      args.next_offset = next_offset(p, e);
+      args.stream_gradients = stream;
       kernel.backward(args);
       // The [0, c) half of a sequence's last block feeds no entry.
       if (p.overlap && e.last)
         for (std::int64_t j = 0; j < m; ++j) {
           const std::int64_t row = e.token_row + j;
-          std::memset(at<void>(p.grad_kv, row * C + c0, es), 0, static_cast<std::size_t>(width) * es);
-          std::memset(at<void>(p.grad_gate, row * C + c0, es), 0, static_cast<std::size_t>(width) * es);
+          std::memset(at<void>(p.grad_kv, row * C, es), 0, static_cast<std::size_t>(c) * es);
+          std::memset(at<void>(p.grad_gate, row * C, es), 0, static_cast<std::size_t>(c) * es);
         }
     }
   });

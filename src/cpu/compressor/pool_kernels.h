@@ -2,10 +2,10 @@
 //
 // A call handles one compressed entry over a run of `width` output channels:
 // slot i contributes kv[i][ch] with logit gate[i][ch] + bias[i][ch]; every
-// pointer is already offset to the run's first channel. A pass for the
-// maximum, one for exp / sum / weighted sum (and in backward one for the
-// gradients), each walking the slot rows in order; the entry's rows stay in
-// L1/L2 between passes, so every input byte comes from memory once. fp32.
+// pointer is already offset to the run's first channel. Per channel: the
+// maximum logit, then exp / sum / weighted sum (and in backward the
+// gradients); the entry's rows stay on chip between those steps, so every
+// input byte comes from memory once. fp32 arithmetic.
 #pragma once
 
 #include <cstdint>
@@ -14,10 +14,9 @@
 
 namespace dsa::cpu::compressor_kernels {
 
-// Floats of scratch a call needs (a logit row per slot plus a max row).
-inline std::int64_t scratch_floats(std::int64_t slot_count, std::int64_t width) {
-  return (slot_count + 1) * ((width + 15) / 16 * 16);
-}
+// Floats of scratch a call needs: one weight per slot and channel of a
+// 64-channel strip (the AVX-512 kernels' unit; the portable one uses a row).
+inline std::int64_t scratch_floats(std::int64_t slot_count) { return slot_count * 64; }
 
 struct SlotRef {
   const void* kv;
@@ -35,7 +34,13 @@ struct PoolArgs {
   std::int64_t width;        // channels of this run
   void* out;                 // forward: compressed[entry] at the run's first channel
   const void* grad_out;      // backward: grad_compressed[entry] likewise
-  float* scratch;            // scratch_floats(slot_count, width), 64-byte aligned
+  float* scratch;            // scratch_floats(slot_count), 64-byte aligned
+  // Bytes from each slot's kv / gate pointer to the same slot of the next
+  // entry when that entry's rows lie there (the next block of the same
+  // sequence, non-overlapping); 0 if not. A prefetch hint, never dereferenced.
+  std::int64_t next_offset;
+  // Backward: write d kv / d gate with non-temporal stores (large outputs).
+  bool stream_gradients;
 };
 
 struct PoolKernel {
