@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch  # noqa: F401  (the ops register with torch.library on import)
 
 from . import _C, lengths
+from ._buffers import buffer_pool_stats, empty_buffer_pool, set_buffer_pool_limit
 from .ops import *  # noqa: F401,F403
 from .ops import __all__ as _op_names
 
@@ -15,4 +16,5 @@ def backends() -> list[dict]:
     return _C.backends()
 
 
-__all__ = list(_op_names) + ["backends", "lengths", "__version__"]
+__all__ = list(_op_names) + ["backends", "lengths", "buffer_pool_stats", "empty_buffer_pool",
+                              "set_buffer_pool_limit", "__version__"]

@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from . import _C
+from . import _C, _buffers
 from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 
@@ -21,8 +21,7 @@ def _compressed_shape(kv: torch.Tensor, ratio: int, overlap: bool, compressed_ro
 def _compressor_op(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int,
                    overlap: bool, query_lengths: Optional[torch.Tensor], compressed_rows: int,
                    layout: str, backend: str) -> torch.Tensor:
-    out = torch.empty(_compressed_shape(kv, ratio, overlap, compressed_rows, layout),
-                      dtype=kv.dtype, device=kv.device)
+    out = _buffers.empty(_compressed_shape(kv, ratio, overlap, compressed_rows, layout), kv.dtype, kv.device)
     _C.compressor_fwd(kv, gate, position_bias, out, ratio, overlap, to_cu_seqlens(query_lengths, layout),
                       layout, backend, num_threads())
     return out
@@ -38,8 +37,9 @@ def _compressor_backward_op(grad_compressed: torch.Tensor, kv: torch.Tensor, gat
                             position_bias: torch.Tensor, ratio: int, overlap: bool,
                             query_lengths: Optional[torch.Tensor], layout: str,
                             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_kv = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-    grad_gate = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+    # Large, and written in full every call: from the buffer pool (see _buffers).
+    grad_kv = _buffers.empty(kv.shape, kv.dtype, kv.device)
+    grad_gate = _buffers.empty(kv.shape, kv.dtype, kv.device)
     grad_bias = torch.empty(position_bias.shape, dtype=torch.float32, device=position_bias.device)
     _C.compressor_bwd(grad_compressed, kv, gate, position_bias, grad_kv, grad_gate, grad_bias, ratio,
                       overlap, to_cu_seqlens(query_lengths, layout), layout, backend, num_threads())

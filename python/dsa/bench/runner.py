@@ -120,6 +120,10 @@ def measure_here(case: Case, impl: str) -> dict:
         out = fn(inputs)
         del out
     gc.collect()
+    # Blocks the warm-up left in dsa's buffer pool would be reused without
+    # new pages: unmap them so the measured run's outputs count.
+    from .._buffers import empty_buffer_pool
+    empty_buffer_pool()
     if can_reset:
         _reset_high_water()
         method = "VmHWM after clear_refs"
