@@ -48,7 +48,9 @@ def _claim(nbytes: int):
             return block
     if _pooled_bytes() + nbytes > _limit:
         return None
-    block = mmap.mmap(-1, nbytes)
+    # Private, not mmap's default shared mapping: shared anonymous memory is
+    # shmem, which transparent huge pages usually skip.
+    block = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             block.madvise(mmap.MADV_HUGEPAGE)  # fewer first-touch faults; a hint

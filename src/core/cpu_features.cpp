@@ -59,7 +59,7 @@ CpuFeatures detect() {
 }
 
 Isa best_isa(const CpuFeatures& f) {
-  if (f.amx_permitted && f.avx512f && f.avx512bw && f.avx512vl && f.avx512bf16) return Isa::amx;
+  if (f.amx_permitted && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512bf16) return Isa::amx;
   if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) return Isa::avx512;
   if (f.avx2 && f.fma && f.f16c) return Isa::avx2;
   return Isa::portable;

@@ -107,12 +107,17 @@ std::int64_t fill_slots(const CompressorProblem& p, const Entry& e, bool backwar
   return n;
 }
 
-// Without overlap the next entry of a sequence pools the m rows after this
-// entry's: the kernels prefetch them (kv and gate must share a row stride for
-// one offset to serve both).
-std::int64_t next_offset(const CompressorProblem& p, const Entry& e) {
-  if (p.overlap || e.last || p.kv_row_stride != p.gate_row_stride) return 0;
-  return p.ratio * p.kv_row_stride * static_cast<std::int64_t>(element_size(p.dtype));
+// The rows entry e + 1 of the sequence adds (block w + 1), for the kernels to
+// prefetch while they work on entry e: whole rows, one stride apart, so one
+// byte count serves kv and gate only when their strides agree.
+void set_prefetch(const CompressorProblem& p, const Entry& e, PoolArgs& args) {
+  args.prefetch_bytes = 0;
+  if (e.last || p.kv_row_stride != p.gate_row_stride) return;
+  const std::size_t es = element_size(p.dtype);
+  const std::int64_t row = e.token_row + p.ratio;
+  args.prefetch_kv = at<const void>(p.kv, row * p.kv_row_stride, es);
+  args.prefetch_gate = at<const void>(p.gate, row * p.gate_row_stride, es);
+  args.prefetch_bytes = p.ratio * p.kv_row_stride * static_cast<std::int64_t>(es);
 }
 
 // Gradient buffers are usually fresh allocations (autograd), so their first
@@ -183,7 +188,7 @@ void compressor_fwd(const CompressorProblem& p) {
       args.width = c;
       args.out = at<void>(p.compressed, e.out_row * c, es);
       args.scratch = scratch.floats[thread].data;
-      args.next_offset = next_offset(p, e);
+      set_prefetch(p, e, args);
       kernel.forward(args);
     }
   });
@@ -228,7 +233,7 @@ void compressor_bwd(const CompressorProblem& p) {
       args.width = c;
       args.grad_out = at<const void>(p.grad_compressed, e.out_row * p.grad_compressed_row_stride, es);
       args.scratch = scratch.floats[thread].data;
-      args.next_offset = next_offset(p, e);
+      set_prefetch(p, e, args);
       args.stream_gradients = stream;
       kernel.backward(args);
       // The [0, c) half of a sequence's last block feeds no entry.

@@ -35,10 +35,12 @@ struct PoolArgs {
   void* out;                 // forward: compressed[entry] at the run's first channel
   const void* grad_out;      // backward: grad_compressed[entry] likewise
   float* scratch;            // scratch_floats(slot_count), 64-byte aligned
-  // Bytes from each slot's kv / gate pointer to the same slot of the next
-  // entry when that entry's rows lie there (the next block of the same
-  // sequence, non-overlapping); 0 if not. A prefetch hint, never dereferenced.
-  std::int64_t next_offset;
+  // The block of rows the next entry of the sequence adds (kv and gate, from
+  // its first row's start, prefetch_bytes each; 0 if none): the kernels ask
+  // for it in order, spread over this call. A hint, never dereferenced.
+  const void* prefetch_kv;
+  const void* prefetch_gate;
+  std::int64_t prefetch_bytes;
   // Backward: write d kv / d gate with non-temporal stores (large outputs).
   bool stream_gradients;
 };
