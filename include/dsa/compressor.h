@@ -47,12 +47,33 @@ void compressor_fwd(const TensorView& kv, const TensorView& gate, const TensorVi
                     const CompressorParams& params, const TensorView& compressed,
                     Backend backend = Backend::automatic);
 
+// Softmax statistics a forward can save for the backward, per compressed entry
+// and output channel, as `stats` [S_cmp, 3, c] | [B, Sk // m, 3, c] fp32,
+// contiguous: the logits' maximum (0 where no logit is finite), 1 / sum of
+// exp(logit - max) (0 there), and the pooled value in fp32. A backward given
+// them computes each slot's weight straight from its logit, in one pass over
+// the slots instead of three: worth it when an entry pools many slots, not
+// for a few: compressor_stats_pay_off, true from compressor_stats_min_slots()
+// slots per entry ((overlap ? 2 : 1) * ratio). The reference backend writes
+// them too, but its backward recomputes everything.
+std::int64_t compressor_stats_min_slots();
+bool compressor_stats_pay_off(std::int64_t ratio, bool overlap);
+void compressor_fwd(const TensorView& kv, const TensorView& gate, const TensorView& position_bias,
+                    const CompressorParams& params, const TensorView& compressed, const TensorView& stats,
+                    Backend backend = Backend::automatic);
+
 // grad_compressed: like `compressed` (unit stride in the last dim).
 // grad_kv, grad_gate: like kv (dtype of kv, contiguous), written everywhere: tokens
 // of dropped tail blocks, BSND padding and the unused [0, c) half of the last
 // block of a sequence get 0. grad_position_bias: [m, C] fp32, contiguous, written.
 void compressor_bwd(const TensorView& grad_compressed, const TensorView& kv,
                     const TensorView& gate, const TensorView& position_bias,
+                    const CompressorParams& params, const TensorView& grad_kv,
+                    const TensorView& grad_gate, const TensorView& grad_position_bias,
+                    Backend backend = Backend::automatic);
+// The same, from the statistics the forward saved.
+void compressor_bwd(const TensorView& grad_compressed, const TensorView& kv,
+                    const TensorView& gate, const TensorView& position_bias, const TensorView& stats,
                     const CompressorParams& params, const TensorView& grad_kv,
                     const TensorView& grad_gate, const TensorView& grad_position_bias,
                     Backend backend = Backend::automatic);

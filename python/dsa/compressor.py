@@ -15,26 +15,40 @@ def _compressed_shape(kv: torch.Tensor, ratio: int, overlap: bool, compressed_ro
     return (compressed_rows, c) if layout == "TND" else (kv.shape[0], kv.shape[1] // ratio, c)
 
 
+def _stats_shape(kv: torch.Tensor, ratio: int, overlap: bool, compressed_rows: int, layout: str, save: bool):
+    if not save:
+        return (0,)
+    shape = _compressed_shape(kv, ratio, overlap, compressed_rows, layout)
+    return shape[:-1] + (3, shape[-1])
+
+
 # The compressed length of TND depends on the length values, so the wrapper
 # computes it (`compressed_rows`) and the fake kernel reads the shape from it.
+# With `save_stats` the forward also returns the softmax statistics
+# ([..., 3, c] fp32: max, 1 / sum, fp32 output) for the backward, which then
+# works in one pass; otherwise the second output is empty.
 @torch.library.custom_op("dsa::compressor", mutates_args=())
 def _compressor_op(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int,
                    overlap: bool, query_lengths: Optional[torch.Tensor], compressed_rows: int,
-                   layout: str, backend: str) -> torch.Tensor:
+                   layout: str, backend: str, save_stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out = _buffers.empty(_compressed_shape(kv, ratio, overlap, compressed_rows, layout), kv.dtype, kv.device)
+    stats = _buffers.empty(_stats_shape(kv, ratio, overlap, compressed_rows, layout, save_stats), torch.float32,
+                           kv.device)
     _C.compressor_fwd(kv, gate, position_bias, out, ratio, overlap, to_cu_seqlens(query_lengths, layout),
-                      layout, backend, num_threads())
-    return out
+                      layout, backend, num_threads(), stats if save_stats else None)
+    return out, stats
 
 
 @_compressor_op.register_fake
-def _(kv, gate, position_bias, ratio, overlap, query_lengths, compressed_rows, layout, backend):
-    return kv.new_empty(_compressed_shape(kv, ratio, overlap, compressed_rows, layout))
+def _(kv, gate, position_bias, ratio, overlap, query_lengths, compressed_rows, layout, backend, save_stats):
+    return (kv.new_empty(_compressed_shape(kv, ratio, overlap, compressed_rows, layout)),
+            kv.new_empty(_stats_shape(kv, ratio, overlap, compressed_rows, layout, save_stats),
+                         dtype=torch.float32))
 
 
 @torch.library.custom_op("dsa::compressor_backward", mutates_args=())
 def _compressor_backward_op(grad_compressed: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
-                            position_bias: torch.Tensor, ratio: int, overlap: bool,
+                            position_bias: torch.Tensor, stats: torch.Tensor, ratio: int, overlap: bool,
                             query_lengths: Optional[torch.Tensor], layout: str,
                             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Large, and written in full every call: from the buffer pool (see _buffers).
@@ -42,32 +56,40 @@ def _compressor_backward_op(grad_compressed: torch.Tensor, kv: torch.Tensor, gat
     grad_gate = _buffers.empty(kv.shape, kv.dtype, kv.device)
     grad_bias = torch.empty(position_bias.shape, dtype=torch.float32, device=position_bias.device)
     _C.compressor_bwd(grad_compressed, kv, gate, position_bias, grad_kv, grad_gate, grad_bias, ratio,
-                      overlap, to_cu_seqlens(query_lengths, layout), layout, backend, num_threads())
+                      overlap, to_cu_seqlens(query_lengths, layout), layout, backend, num_threads(),
+                      stats if stats.dim() > 1 else None)
     return grad_kv, grad_gate, grad_bias
 
 
 @_compressor_backward_op.register_fake
-def _(grad_compressed, kv, gate, position_bias, ratio, overlap, query_lengths, layout, backend):
+def _(grad_compressed, kv, gate, position_bias, stats, ratio, overlap, query_lengths, layout, backend):
     return (kv.new_empty(kv.shape), kv.new_empty(kv.shape),
             position_bias.new_empty(position_bias.shape, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    kv, gate, position_bias, ratio, overlap, query_lengths, _, layout, backend = inputs
-    ctx.save_for_backward(kv, gate, position_bias)
+    kv, gate, position_bias, ratio, overlap, query_lengths, _, layout, backend, _ = inputs
+    _, stats = output
+    ctx.mark_non_differentiable(stats)
+    ctx.save_for_backward(kv, gate, position_bias, stats)
     ctx.query_lengths = query_lengths
     ctx.args = (ratio, overlap, layout, backend)
 
 
-def _backward(ctx, grad):
-    kv, gate, position_bias = ctx.saved_tensors
+def _backward(ctx, grad, _grad_stats):
+    kv, gate, position_bias, stats = ctx.saved_tensors
     ratio, overlap, layout, backend = ctx.args
     grad_kv, grad_gate, grad_bias = _compressor_backward_op(
-        grad.contiguous(), kv, gate, position_bias, ratio, overlap, ctx.query_lengths, layout, backend)
-    return grad_kv, grad_gate, grad_bias, None, None, None, None, None, None
+        grad.contiguous(), kv, gate, position_bias, stats, ratio, overlap, ctx.query_lengths, layout, backend)
+    return grad_kv, grad_gate, grad_bias, None, None, None, None, None, None, None
 
 
 _compressor_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Slots per entry from which the backward starts from saved softmax statistics
+# (the C++ backend's rule, read once: torch.compile cannot trace into _C).
+_STATS_MIN_SLOTS = _C.compressor_stats_min_slots()
 
 
 def _raw_lengths(query_lengths: Lengths, layout: str, kv: torch.Tensor) -> list[int]:
@@ -121,8 +143,12 @@ def dsa_compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Te
     raw = _raw_lengths(query_lengths, layout, kv)
     counts = [max(n, 0) // ratio for n in raw]
     compressed_rows = sum(counts)
-    compressed = _compressor_op(kv, gate, position_bias, ratio, overlap, lengths_tensor,
-                                compressed_rows, layout, backend)
+    # The backward starts from saved softmax statistics where the fused kernels
+    # gain from it (many slots per entry) and a gradient will be taken.
+    save_stats = (backend != "reference" and (2 if overlap else 1) * ratio >= _STATS_MIN_SLOTS
+                  and torch.is_grad_enabled() and any(t.requires_grad for t in (kv, gate, position_bias)))
+    compressed, _ = _compressor_op(kv, gate, position_bias, ratio, overlap, lengths_tensor,
+                                   compressed_rows, layout, backend, save_stats)
     if layout == "TND":
         out_lengths, total = [], 0
         for n in counts:

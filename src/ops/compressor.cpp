@@ -115,35 +115,33 @@ TensorView compressed_shape(const TensorView& kv, const CompressorProblem& p, bo
              : shape_like({kv.size(0), kv.size(1) / p.ratio, p.channels});
 }
 
-}  // namespace
-
-CuSeqlens compressed_cu_seqlens(const CuSeqlens& raw_cu_seqlens, std::int64_t ratio) {
-  if (ratio < 1) fail_argument("ratio: expected an integer >= 1, got ", ratio);
-  CuSeqlens out{0};
-  for (std::size_t b = 1; b < raw_cu_seqlens.size(); ++b) {
-    const std::int64_t length = raw_cu_seqlens[b] - raw_cu_seqlens[b - 1];
-    if (length < 0) fail_argument("cu_seqlens: expected non-decreasing entries, got a negative length");
-    out.push_back(out.back() + length / ratio);
-  }
-  return out;
+TensorView stats_shape(const TensorView& kv, const CompressorProblem& p, bool tnd) {
+  return tnd ? shape_like({p.out_rows, 3, p.channels})
+             : shape_like({kv.size(0), kv.size(1) / p.ratio, 3, p.channels});
 }
 
-void compressor_fwd(const TensorView& kv, const TensorView& gate, const TensorView& position_bias,
-                    const CompressorParams& params, const TensorView& compressed, Backend backend) {
+const char* stats_shape_name(bool tnd) { return tnd ? "[sum of L // ratio, 3, c]" : "[B, Sk // ratio, 3, c]"; }
+
+void run_fwd(const TensorView& kv, const TensorView& gate, const TensorView& position_bias,
+             const CompressorParams& params, const TensorView& compressed, const TensorView* stats,
+             Backend backend) {
   CompressorProblem p = make_problem(kv, gate, position_bias, params, backend);
   const bool tnd = params.layout == Layout::TND;
   require_output(compressed, "compressed", kv.dtype, compressed_shape(kv, p, tnd),
                  tnd ? "[sum of L // ratio, c]" : "[B, Sk // ratio, c]");
+  if (stats) {
+    require_output(*stats, "stats", DType::f32, stats_shape(kv, p, tnd), stats_shape_name(tnd));
+    p.stats = stats->ptr<float>();
+  }
   p.compressed = compressed.data;
   if (backend == Backend::reference) reference::compressor_fwd(p);
   else cpu::compressor_fwd(p);
 }
 
-void compressor_bwd(const TensorView& grad_compressed, const TensorView& kv,
-                    const TensorView& gate, const TensorView& position_bias,
-                    const CompressorParams& params, const TensorView& grad_kv,
-                    const TensorView& grad_gate, const TensorView& grad_position_bias,
-                    Backend backend) {
+void run_bwd(const TensorView& grad_compressed, const TensorView& kv, const TensorView& gate,
+             const TensorView& position_bias, const TensorView* stats, const CompressorParams& params,
+             const TensorView& grad_kv, const TensorView& grad_gate, const TensorView& grad_position_bias,
+             Backend backend) {
   CompressorProblem p = make_problem(kv, gate, position_bias, params, backend);
   const bool tnd = params.layout == Layout::TND;
   const TensorView out_shape = compressed_shape(kv, p, tnd);
@@ -165,8 +163,69 @@ void compressor_bwd(const TensorView& grad_compressed, const TensorView& kv,
   p.grad_kv = grad_kv.data;
   p.grad_gate = grad_gate.data;
   p.grad_position_bias = grad_position_bias.ptr<float>();
+  if (stats) {
+    require_present(*stats, "stats");
+    require_cpu(*stats, "stats");
+    require_dtype(*stats, "stats", {DType::f32});
+    const TensorView expected = stats_shape(kv, p, tnd);
+    bool same = stats->ndim == expected.ndim;
+    for (int d = 0; same && d < expected.ndim; ++d) same = stats->shape[d] == expected.shape[d];
+    if (!same)
+      fail_argument("stats: expected shape ", stats_shape_name(tnd), " = ", shape_string(expected), ", got ",
+                    shape_string(*stats));
+    if (stats->numel() > 0) require_contiguous(*stats, "stats");
+    p.stats = const_cast<float*>(stats->ptr<const float>());  // read only by the backward
+  }
   if (backend == Backend::reference) reference::compressor_bwd(p);
   else cpu::compressor_bwd(p);
+}
+
+}  // namespace
+
+CuSeqlens compressed_cu_seqlens(const CuSeqlens& raw_cu_seqlens, std::int64_t ratio) {
+  if (ratio < 1) fail_argument("ratio: expected an integer >= 1, got ", ratio);
+  CuSeqlens out{0};
+  for (std::size_t b = 1; b < raw_cu_seqlens.size(); ++b) {
+    const std::int64_t length = raw_cu_seqlens[b] - raw_cu_seqlens[b - 1];
+    if (length < 0) fail_argument("cu_seqlens: expected non-decreasing entries, got a negative length");
+    out.push_back(out.back() + length / ratio);
+  }
+  return out;
+}
+
+// The fused kernels keep up to 8 slots in registers, where recomputing the
+// softmax costs less than moving 12 bytes of statistics per output value.
+std::int64_t compressor_stats_min_slots() { return 9; }
+
+bool compressor_stats_pay_off(std::int64_t ratio, bool overlap) {
+  return (overlap ? 2 : 1) * ratio >= compressor_stats_min_slots();
+}
+
+void compressor_fwd(const TensorView& kv, const TensorView& gate, const TensorView& position_bias,
+                    const CompressorParams& params, const TensorView& compressed, Backend backend) {
+  run_fwd(kv, gate, position_bias, params, compressed, nullptr, backend);
+}
+
+void compressor_fwd(const TensorView& kv, const TensorView& gate, const TensorView& position_bias,
+                    const CompressorParams& params, const TensorView& compressed, const TensorView& stats,
+                    Backend backend) {
+  run_fwd(kv, gate, position_bias, params, compressed, &stats, backend);
+}
+
+void compressor_bwd(const TensorView& grad_compressed, const TensorView& kv, const TensorView& gate,
+                    const TensorView& position_bias, const CompressorParams& params,
+                    const TensorView& grad_kv, const TensorView& grad_gate,
+                    const TensorView& grad_position_bias, Backend backend) {
+  run_bwd(grad_compressed, kv, gate, position_bias, nullptr, params, grad_kv, grad_gate, grad_position_bias,
+          backend);
+}
+
+void compressor_bwd(const TensorView& grad_compressed, const TensorView& kv, const TensorView& gate,
+                    const TensorView& position_bias, const TensorView& stats, const CompressorParams& params,
+                    const TensorView& grad_kv, const TensorView& grad_gate,
+                    const TensorView& grad_position_bias, Backend backend) {
+  run_bwd(grad_compressed, kv, gate, position_bias, &stats, params, grad_kv, grad_gate, grad_position_bias,
+          backend);
 }
 
 }  // namespace dsa

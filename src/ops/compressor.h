@@ -42,6 +42,9 @@ struct CompressorProblem {
   void* grad_kv = nullptr;
   void* grad_gate = nullptr;
   float* grad_position_bias = nullptr;
+  // Softmax statistics [out_rows, 3, c] fp32 (see dsa/compressor.h): written
+  // by a forward that has them, read by a backward that has them; may be null.
+  float* stats = nullptr;
 };
 
 namespace reference {

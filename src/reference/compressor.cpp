@@ -1,4 +1,5 @@
 // Reference KV compressor: spec/ops.md 4.5 written out literally, in double.
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -44,24 +45,29 @@ double kv_at(const CompressorProblem& p, const Slot& slot, std::int64_t channel)
 }
 
 // softmax over the slots of one channel; all -inf logits -> all weights 0.
+// Also gives the logits' maximum and the sum of exp(logit - max) (0 and 0
+// when no logit is finite), the statistics a forward may save.
 std::vector<double> slot_weights(const CompressorProblem& p, const std::vector<Slot>& slots,
-                                 std::int64_t channel) {
+                                 std::int64_t channel, double* max_out = nullptr, double* sum_out = nullptr) {
   std::vector<double> weights(slots.size());
   double max = -std::numeric_limits<double>::infinity();
   for (std::size_t i = 0; i < slots.size(); ++i) {
     weights[i] = logit(p, slots[i], channel);
     if (weights[i] > max) max = weights[i];
   }
-  if (max == -std::numeric_limits<double>::infinity()) {
-    for (double& x : weights) x = 0.0;
-    return weights;
-  }
   double sum = 0.0;
-  for (double& x : weights) {
-    x = std::exp(x - max);
-    sum += x;
+  if (max == -std::numeric_limits<double>::infinity()) {
+    max = 0.0;
+    for (double& x : weights) x = 0.0;
+  } else {
+    for (double& x : weights) {
+      x = std::exp(x - max);
+      sum += x;
+    }
+    for (double& x : weights) x /= sum;
   }
-  for (double& x : weights) x /= sum;
+  if (max_out) *max_out = max;
+  if (sum_out) *sum_out = sum;
   return weights;
 }
 
@@ -70,19 +76,28 @@ std::vector<double> slot_weights(const CompressorProblem& p, const std::vector<S
 void compressor_fwd(const CompressorProblem& p) {
   const std::int64_t c = p.channels;
   for (std::int64_t r = 0; r < p.out_rows * c; ++r) store_float(p.compressed, p.dtype, r, 0.0f);
+  if (p.stats) std::fill(p.stats, p.stats + p.out_rows * 3 * c, 0.0f);
   for (const CompressorSequence& s : p.seqs) {
     for (std::int64_t w = 0; w < s.entries; ++w) {
       const std::vector<Slot> slots = entry_slots(p, s, w);
       for (std::int64_t ch = 0; ch < c; ++ch) {
-        const std::vector<double> weights = slot_weights(p, slots, ch);
+        double max = 0.0, sum = 0.0;
+        const std::vector<double> weights = slot_weights(p, slots, ch, &max, &sum);
         double out = 0.0;
         for (std::size_t i = 0; i < slots.size(); ++i) out += weights[i] * kv_at(p, slots[i], ch);
         store_float(p.compressed, p.dtype, (s.out_begin + w) * c + ch, static_cast<float>(out));
+        if (p.stats) {
+          float* row = p.stats + (s.out_begin + w) * 3 * c;
+          row[ch] = static_cast<float>(max);
+          row[c + ch] = sum > 0.0 ? static_cast<float>(1.0 / sum) : 0.0f;
+          row[2 * c + ch] = static_cast<float>(out);
+        }
       }
     }
   }
 }
 
+// The statistics a forward saved (p.stats) are not read: the oracle recomputes.
 void compressor_bwd(const CompressorProblem& p) {
   const std::int64_t c = p.channels, C = p.in_channels, m = p.ratio;
   for (std::int64_t i = 0; i < p.rows * C; ++i) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "core/cpu_features.h"
@@ -49,6 +50,7 @@ struct Case {
 struct Outputs {
   Buffer compressed, grad_kv, grad_gate;
   std::vector<float> grad_bias;
+  std::vector<float> stats;  // [out_rows, 3, c] when the run saved them
 };
 
 struct Problem {
@@ -91,18 +93,30 @@ struct Problem {
                ? dsa::make_view(b.data(), b.dtype, {static_cast<std::int64_t>(b.size()) / cols, cols})
                : dsa::make_view(b.data(), b.dtype, {k.batch, static_cast<std::int64_t>(b.size()) / cols / k.batch, cols});
   }
-  Outputs run(dsa::Backend backend, int threads = 0) {
+  // with_stats: the forward saves the softmax statistics and the backward
+  // starts from them.
+  Outputs run(dsa::Backend backend, int threads = 0, bool with_stats = false) {
     Outputs r{Buffer(k.dtype, out_rows * k.c), Buffer(k.dtype, S * C), Buffer(k.dtype, S * C),
-          std::vector<float>(bias.size(), 123.0f)};
+          std::vector<float>(bias.size(), 123.0f), {}};
     for (std::size_t i = 0; i < r.compressed.size(); ++i) r.compressed.set(i, 99.0f);  // must be overwritten
     for (std::size_t i = 0; i < r.grad_kv.size(); ++i) { r.grad_kv.set(i, 99.0f); r.grad_gate.set(i, 99.0f); }
     dsa::CompressorParams p = params;
     p.num_threads = threads;
     auto pb = dsa::make_view(bias.data(), DType::f32, {k.ratio, C});
-    dsa::compressor_fwd(view2(kv, C), view2(gate, C), pb, p, view2(r.compressed, k.c), backend);
-    dsa::compressor_bwd(view2(grad_out, k.c), view2(kv, C), view2(gate, C), pb, p, view2(r.grad_kv, C),
-                        view2(r.grad_gate, C), dsa::make_view(r.grad_bias.data(), DType::f32, {k.ratio, C}),
-                        backend);
+    const auto grad_bias = dsa::make_view(r.grad_bias.data(), DType::f32, {k.ratio, C});
+    if (!with_stats) {
+      dsa::compressor_fwd(view2(kv, C), view2(gate, C), pb, p, view2(r.compressed, k.c), backend);
+      dsa::compressor_bwd(view2(grad_out, k.c), view2(kv, C), view2(gate, C), pb, p, view2(r.grad_kv, C),
+                          view2(r.grad_gate, C), grad_bias, backend);
+      return r;
+    }
+    r.stats.assign(out_rows * 3 * k.c, 77.0f);  // must be overwritten
+    const auto stats = k.layout == dsa::Layout::TND
+                           ? dsa::make_view(r.stats.data(), DType::f32, {out_rows, 3, k.c})
+                           : dsa::make_view(r.stats.data(), DType::f32, {k.batch, out_rows / k.batch, 3, k.c});
+    dsa::compressor_fwd(view2(kv, C), view2(gate, C), pb, p, view2(r.compressed, k.c), stats, backend);
+    dsa::compressor_bwd(view2(grad_out, k.c), view2(kv, C), view2(gate, C), pb, stats, p, view2(r.grad_kv, C),
+                        view2(r.grad_gate, C), grad_bias, backend);
     return r;
   }
 };
@@ -117,16 +131,23 @@ void expect_close(const Buffer& a, const Buffer& b, float tol, const char* what)
   }
 }
 
-void expect_matches_reference(const Case& cs) {
-  Problem p(cs);
-  const Outputs ref = p.run(dsa::Backend::reference);
-  const Outputs fused = p.run(dsa::Backend::cpu);
-  const float tol = tolerance(cs.dtype);
+void expect_outputs_close(const Outputs& fused, const Outputs& ref, DType dtype) {
+  const float tol = tolerance(dtype);
   expect_close(fused.compressed, ref.compressed, tol, "compressed");
   expect_close(fused.grad_kv, ref.grad_kv, tol, "grad_kv");
   expect_close(fused.grad_gate, ref.grad_gate, tol, "grad_gate");
   for (std::size_t i = 0; i < ref.grad_bias.size(); ++i)
     ASSERT_NEAR(fused.grad_bias[i], ref.grad_bias[i], 2e-4f * (1.0f + std::fabs(ref.grad_bias[i]))) << "grad_bias " << i;
+  ASSERT_EQ(fused.stats.size(), ref.stats.size());
+  for (std::size_t i = 0; i < ref.stats.size(); ++i)  // max, 1 / sum, out in fp32
+    ASSERT_NEAR(fused.stats[i], ref.stats[i], 2e-5f * (1.0f + std::fabs(ref.stats[i]))) << "stats " << i;
+}
+
+// The fused backend against the reference, with and without saved statistics.
+void expect_matches_reference(const Case& cs) {
+  Problem p(cs);
+  expect_outputs_close(p.run(dsa::Backend::cpu), p.run(dsa::Backend::reference), cs.dtype);
+  expect_outputs_close(p.run(dsa::Backend::cpu, 0, true), p.run(dsa::Backend::reference, 0, true), cs.dtype);
 }
 
 class CompressorIsa : public ::testing::TestWithParam<dsa::core::Isa> {
@@ -215,11 +236,14 @@ TEST(Compressor, DeterministicAcrossThreadCounts) {
   cs.lengths = {5000, 3000};
   cs.dtype = DType::bf16;
   Problem p(cs);
-  const Outputs one = p.run(dsa::Backend::cpu, 1), three = p.run(dsa::Backend::cpu, 3);
-  EXPECT_EQ(one.compressed.half, three.compressed.half);
-  EXPECT_EQ(one.grad_kv.half, three.grad_kv.half);
-  EXPECT_EQ(one.grad_gate.half, three.grad_gate.half);
-  EXPECT_EQ(one.grad_bias, three.grad_bias);
+  for (bool stats : {false, true}) {
+    const Outputs one = p.run(dsa::Backend::cpu, 1, stats), three = p.run(dsa::Backend::cpu, 3, stats);
+    EXPECT_EQ(one.compressed.half, three.compressed.half);
+    EXPECT_EQ(one.grad_kv.half, three.grad_kv.half);
+    EXPECT_EQ(one.grad_gate.half, three.grad_gate.half);
+    EXPECT_EQ(one.grad_bias, three.grad_bias);
+    EXPECT_EQ(one.stats, three.stats);
+  }
 }
 
 TEST(Compressor, AllMinusInfChannelGivesZero) {
@@ -230,8 +254,9 @@ TEST(Compressor, AllMinusInfChannelGivesZero) {
   cs.lengths = {6};
   Problem p(cs);
   for (std::int64_t j = 0; j < 2; ++j) p.bias[j * 20 + 3] = -INFINITY;  // channel 3: no finite logit
-  for (dsa::Backend b : {dsa::Backend::reference, dsa::Backend::cpu}) {
-    const Outputs r = p.run(b);
+  for (auto [b, stats] : {std::pair{dsa::Backend::reference, false}, std::pair{dsa::Backend::cpu, false},
+                           std::pair{dsa::Backend::cpu, true}}) {
+    const Outputs r = p.run(b, 0, stats);
     for (std::int64_t w = 0; w < 3; ++w) {
       EXPECT_EQ(r.compressed.get(w * 20 + 3), 0.0f);
       EXPECT_TRUE(std::isfinite(r.compressed.get(w * 20 + 4)));
@@ -273,6 +298,11 @@ TEST(Compressor, BadInputsThrowAndWriteNothing) {
   expect_error([&] {
     dsa::compressor_fwd(p.view2(p.kv, p.C), p.view2(p.gate, p.C), pb, p.params, p.view2(wrong, cs.c));
   }, "compressed");
+  std::vector<float> stats(4 * 3 * cs.c);
+  expect_error([&] {
+    dsa::compressor_fwd(p.view2(p.kv, p.C), p.view2(p.gate, p.C), pb, p.params, p.view2(out, cs.c),
+                        dsa::make_view(stats.data(), DType::f32, {4, 2, cs.c}));
+  }, "stats");
   for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out.get(i), 5.0f);
   EXPECT_EQ(dsa::compressed_cu_seqlens({0, 3, 11, 20}, 4), (dsa::CuSeqlens{0, 0, 2, 4}));
 }

@@ -141,23 +141,31 @@ def test_thread_count_does_not_change_bits():
 def test_opcheck_and_compile():
     kv, gate, bias = make_inputs((37,), 2 * 8, 4, torch.float32)
     lengths = torch.tensor([9, 37])
-    torch.library.opcheck(_compressor_op, (kv.requires_grad_(), gate.requires_grad_(), bias.requires_grad_(),
-                                           4, True, lengths, 9 // 4 + 28 // 4, "TND", "auto"))
+    rows = 9 // 4 + 28 // 4
+    for save_stats in (False, True):
+        torch.library.opcheck(_compressor_op, (kv.requires_grad_(), gate.requires_grad_(), bias.requires_grad_(),
+                                               4, True, lengths, rows, "TND", "auto", save_stats))
     kv2, gate2, bias2 = make_inputs((2, 20), 6, 5, torch.bfloat16)
-    torch.library.opcheck(_compressor_op, (kv2, gate2, bias2, 5, False, None, 8, "BSND", "cpu"))
-    grad = torch.randn(9 // 4 + 28 // 4, 8)
-    torch.library.opcheck(_compressor_backward_op, (grad, kv.detach(), gate.detach(), bias.detach(), 4, True,
-                                                    lengths, "TND", "auto"))
+    torch.library.opcheck(_compressor_op, (kv2, gate2, bias2, 5, False, None, 8, "BSND", "cpu", True))
+    grad = torch.randn(rows, 8)
+    _, stats = _compressor_op(kv.detach(), gate.detach(), bias.detach(), 4, True, lengths, rows, "TND", "cpu", True)
+    for saved in (torch.empty(0), stats):
+        torch.library.opcheck(_compressor_backward_op, (grad, kv.detach(), gate.detach(), bias.detach(), saved, 4,
+                                                        True, lengths, "TND", "auto"))
 
-    def f(k, g, b):
-        out, counts = dsa_compressor(k, g, b, ratio=4, query_lengths=[9, 37])
-        return out.square().sum()
+    # Ratio 4 with overlap recomputes in the backward; ratio 16 starts from saved statistics.
+    for ratio, channels in ((4, 16), (16, 8)):
+        kv, gate, bias = make_inputs((37,), channels, ratio, torch.float32)
 
-    compiled = torch.compile(f, fullgraph=True, backend="inductor")
-    eager = run_with_grads(lambda k, g, b: f(k, g, b).reshape(1), kv, gate, bias)
-    traced = run_with_grads(lambda k, g, b: compiled(k, g, b).reshape(1), kv, gate, bias)
-    for a, b in zip(eager, traced):
-        torch.testing.assert_close(a, b)
+        def f(k, g, b):
+            out, counts = dsa_compressor(k, g, b, ratio=ratio, query_lengths=[9, 37])
+            return out.square().sum()
+
+        compiled = torch.compile(f, fullgraph=True, backend="inductor")
+        eager = run_with_grads(lambda k, g, b: f(k, g, b).reshape(1), kv, gate, bias)
+        traced = run_with_grads(lambda k, g, b: compiled(k, g, b).reshape(1), kv, gate, bias)
+        for a, b in zip(eager, traced):
+            torch.testing.assert_close(a, b)
 
 
 def test_bad_inputs():

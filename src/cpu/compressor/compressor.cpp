@@ -156,8 +156,9 @@ struct ThreadScratch {
     const std::int64_t max_slots = (p.overlap ? 2 : 1) * p.ratio;
     slots.assign(p.num_threads, std::vector<SlotRef>(max_slots));
     floats.reserve(p.num_threads);  // no reallocation: `data` points into each element
-    for (int i = 0; i < p.num_threads; ++i)
-      floats.emplace_back(std::max(scratch_floats(max_slots), max_slots));
+    // backward_from_stats keeps a row of c floats (padded to a vector) there.
+    const std::int64_t floats_each = std::max({scratch_floats(max_slots), max_slots, (p.channels + 15) / 16 * 16});
+    for (int i = 0; i < p.num_threads; ++i) floats.emplace_back(floats_each);
   }
 };
 
@@ -169,9 +170,12 @@ void compressor_fwd(const CompressorProblem& p) {
   const std::int64_t c = p.channels;
   // BSND rows past a row's count hold no entry.
   for (const CompressorSequence& s : p.seqs)
-    if (s.out_extent > s.entries)
+    if (s.out_extent > s.entries) {
       std::memset(at<void>(p.compressed, (s.out_begin + s.entries) * c, es), 0,
                   static_cast<std::size_t>((s.out_extent - s.entries) * c) * es);
+      if (p.stats)
+        std::fill_n(p.stats + (s.out_begin + s.entries) * 3 * c, (s.out_extent - s.entries) * 3 * c, 0.0f);
+    }
   const Tasks t = plan_tasks(p);
   if (t.entries.empty() || c == 0) return;
   ThreadScratch scratch(p);
@@ -187,6 +191,8 @@ void compressor_fwd(const CompressorProblem& p) {
       args.slots = slots;
       args.width = c;
       args.out = at<void>(p.compressed, e.out_row * c, es);
+      args.stats = p.stats ? p.stats + e.out_row * 3 * c : nullptr;
+      args.stats_stride = c;
       args.scratch = scratch.floats[thread].data;
       set_prefetch(p, e, args);
       kernel.forward(args);
@@ -235,7 +241,13 @@ void compressor_bwd(const CompressorProblem& p) {
       args.scratch = scratch.floats[thread].data;
       set_prefetch(p, e, args);
       args.stream_gradients = stream;
-      kernel.backward(args);
+      if (p.stats) {
+        args.stats = p.stats + e.out_row * 3 * c;
+        args.stats_stride = c;
+        kernel.backward_from_stats(args);
+      } else {
+        kernel.backward(args);
+      }
       // The [0, c) half of a sequence's last block feeds no entry.
       if (p.overlap && e.last)
         for (std::int64_t j = 0; j < m; ++j) {

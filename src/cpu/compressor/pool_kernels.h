@@ -43,6 +43,11 @@ struct PoolArgs {
   std::int64_t prefetch_bytes;
   // Backward: write d kv / d gate with non-temporal stores (large outputs).
   bool stream_gradients;
+  // Softmax statistics of the entry (see dsa/compressor.h) at the run's first
+  // channel: rows max, 1 / sum and out, stats_stride floats apart. Forward:
+  // written when not null. backward_from_stats: read.
+  float* stats;
+  std::int64_t stats_stride;
 };
 
 struct PoolKernel {
@@ -50,6 +55,9 @@ struct PoolKernel {
   void (*forward)(const PoolArgs& args);
   // Writes d kv and d gate of every slot and adds d logit into bias_partial.
   void (*backward)(const PoolArgs& args);
+  // The same from the saved statistics: one pass over the slots. Needs
+  // scratch for one row of `width` floats.
+  void (*backward_from_stats)(const PoolArgs& args);
 };
 
 const PoolKernel& portable_kernel();

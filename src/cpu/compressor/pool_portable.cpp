@@ -29,7 +29,13 @@ void forward(const PoolArgs& a) {
       sum += e;
       acc += e * load_float(a.slots[i].kv, a.dtype, ch);
     }
-    store_float(a.out, a.dtype, ch, sum > 0.0f ? acc / sum : 0.0f * acc);
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    store_float(a.out, a.dtype, ch, acc * inv);
+    if (a.stats) {
+      a.stats[ch] = max;
+      a.stats[a.stats_stride + ch] = inv;
+      a.stats[2 * a.stats_stride + ch] = acc * inv;
+    }
   }
 }
 
@@ -59,10 +65,27 @@ void backward(const PoolArgs& a) {
   }
 }
 
+// Each slot's weight straight from its logit and the saved max and 1 / sum.
+void backward_from_stats(const PoolArgs& a) {
+  const float* max = a.stats;
+  const float* inv = a.stats + a.stats_stride;
+  const float* out = a.stats + 2 * a.stats_stride;
+  for (std::int64_t i = 0; i < a.slot_count; ++i) {
+    const SlotRef& s = a.slots[i];
+    for (std::int64_t ch = 0; ch < a.width; ++ch) {
+      const float pg = std::exp(logit(a, i, ch) - max[ch]) * inv[ch] * load_float(a.grad_out, a.dtype, ch);
+      const float grad_logit = pg * (load_float(s.kv, a.dtype, ch) - out[ch]);
+      store_float(s.grad_kv, a.dtype, ch, pg);
+      store_float(s.grad_gate, a.dtype, ch, grad_logit);
+      s.bias_partial[ch] += grad_logit;
+    }
+  }
+}
+
 }  // namespace
 
 const PoolKernel& portable_kernel() {
-  static const PoolKernel kernel{"portable", forward, backward};
+  static const PoolKernel kernel{"portable", forward, backward, backward_from_stats};
   return kernel;
 }
 
