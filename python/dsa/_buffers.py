@@ -63,7 +63,7 @@ def _claim(nbytes: int):
 def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised contiguous tensor, from the pool when it is a large CPU one."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if torch.device(device).type != "cpu" or nbytes < MIN_BYTES or _limit == 0:
         return torch.empty(shape, dtype=dtype, device=device)
     with _lock:

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstring>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #if defined(__linux__)
@@ -220,14 +221,15 @@ void compressor_bwd(const CompressorProblem& p) {
     std::fill(p.grad_position_bias, p.grad_position_bias + m * C, 0.0f);
     return;
   }
-  std::vector<float> partials(static_cast<std::size_t>(t.groups * m * C));
+  // Each task zeroes its own group's partial: no up-front fill.
+  const std::unique_ptr<float[]> partials(new float[static_cast<std::size_t>(t.groups * m * C)]);
   const bool stream = p.rows * C * static_cast<std::int64_t>(es) >= kStreamBytes;
   ThreadScratch scratch(p);
 
   core::parallel_for(t.groups, p.num_threads, [&](std::int64_t group, int thread) {
     const std::int64_t first = group * t.group_size;
     const std::int64_t last = std::min<std::int64_t>(first + t.group_size, t.entries.size());
-    float* partial = partials.data() + group * m * C;
+    float* partial = partials.get() + group * m * C;
     std::fill_n(partial, m * C, 0.0f);
     SlotRef* slots = scratch.slots[thread].data();
     for (std::int64_t i = first; i < last; ++i) {
@@ -262,7 +264,7 @@ void compressor_bwd(const CompressorProblem& p) {
     float* out = p.grad_position_bias + j * C;
     std::fill_n(out, C, 0.0f);
     for (std::int64_t g = 0; g < t.groups; ++g) {
-      const float* src = partials.data() + (g * m + j) * C;
+      const float* src = partials.get() + (g * m + j) * C;
       for (std::int64_t col = 0; col < C; ++col) out[col] += src[col];
     }
   });
