@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -33,6 +34,32 @@ namespace {
 
 thread_local bool t_inside_pool = false;
 
+// Waiting threads spin this long before they block: a blocked thread's core
+// may halt, and on a VM waking it again (an interrupt through the host) has
+// been measured at ~0.15 ms, more than a short kernel runs. Spinning briefly
+// lets back-to-back regions (a forward and its backward, two phases of one op)
+// reuse awake workers.
+static const auto kSpin = std::chrono::microseconds(std::getenv("DSA_SPIN_US") ? std::atoi(std::getenv("DSA_SPIN_US")) : 200);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Spins until done() or kSpin passes; true if done() became true.
+template <class Done>
+bool spin_until(Done done) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpin;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (done()) return true;
+      cpu_relax();
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return done();
+  }
+}
+
 class Pool {
  public:
   static Pool& instance() {
@@ -51,15 +78,17 @@ class Pool {
       next_task_.store(0);
       error_ = nullptr;
       active_workers_ = num_threads - 1;
-      pending_ = num_threads - 1;
-      ++generation_;
+      pending_.store(num_threads - 1);
+      generation_.fetch_add(1, std::memory_order_release);  // publishes the fields above
     }
     cv_.notify_all();
     t_inside_pool = true;  // a nested parallel_for from a task runs inline
     work(0);
     t_inside_pool = false;
-    std::unique_lock<std::mutex> lk(mutex_);
-    done_cv_.wait(lk, [&] { return pending_ == 0; });
+    if (!spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; })) {
+      std::unique_lock<std::mutex> lk(mutex_);
+      done_cv_.wait(lk, [&] { return pending_.load(std::memory_order_acquire) == 0; });
+    }
     body_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
@@ -77,15 +106,18 @@ class Pool {
     t_inside_pool = true;
     std::uint64_t seen = 0;
     for (;;) {
-      {
+      const auto fresh = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+      if (!spin_until(fresh)) {
         std::unique_lock<std::mutex> lk(mutex_);
-        cv_.wait(lk, [&] { return generation_ != seen; });
-        seen = generation_;
-        if (index > active_workers_) continue;
+        cv_.wait(lk, fresh);
       }
+      seen = generation_.load(std::memory_order_acquire);
+      if (index > active_workers_) continue;
       work(index);
-      std::lock_guard<std::mutex> lk(mutex_);
-      if (--pending_ == 0) done_cv_.notify_one();
+      if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        { std::lock_guard<std::mutex> lk(mutex_); }  // the waiter is blocked or sees pending_ == 0
+        done_cv_.notify_one();
+      }
     }
   }
 
@@ -111,8 +143,8 @@ class Pool {
   std::atomic<std::int64_t> next_task_{0};
   std::exception_ptr error_;
   int active_workers_ = 0;
-  int pending_ = 0;
-  std::uint64_t generation_ = 0;
+  std::atomic<int> pending_{0};
+  std::atomic<std::uint64_t> generation_{0};
 };
 
 }  // namespace
