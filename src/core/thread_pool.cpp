@@ -39,7 +39,7 @@ thread_local bool t_inside_pool = false;
 // been measured at ~0.15 ms, more than a short kernel runs. Spinning briefly
 // lets back-to-back regions (a forward and its backward, two phases of one op)
 // reuse awake workers.
-static const auto kSpin = std::chrono::microseconds(std::getenv("DSA_SPIN_US") ? std::atoi(std::getenv("DSA_SPIN_US")) : 200);
+constexpr auto kSpin = std::chrono::microseconds(200);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
