@@ -1,6 +1,8 @@
 // Backends (spec/ops.md section 3). The caller chooses; dsa never falls back.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -35,5 +37,17 @@ std::string cpu_isa_name();
 // Threads used by fused kernels when a call passes num_threads = 0:
 // DSA_NUM_THREADS if set, else the cores this process may run on.
 int default_num_threads();
+
+// Where the fused CPU kernels run their parallel regions: by default dsa's own
+// thread pool. An embedding layer with a thread team of its own may install a
+// runner for it (the Python package uses PyTorch's OpenMP team, so dsa's
+// regions do not compete with OpenMP threads still spinning after a torch
+// op). A runner must call body(task, thread) exactly once for every task in
+// [0, n_tasks), with `thread` in [0, num_threads) (it indexes per-thread
+// scratch; results never depend on it), and rethrow the first exception a
+// task throws. nullptr restores dsa's own pool.
+using ParallelRunner = void (*)(std::int64_t n_tasks, int num_threads,
+                                const std::function<void(std::int64_t task, int thread)>& body);
+void set_parallel_runner(ParallelRunner runner);
 
 }  // namespace dsa

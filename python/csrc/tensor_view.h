@@ -39,6 +39,7 @@ void register_core(nb::module_& m);
 void register_indexer(nb::module_& m);
 void register_kl_loss(nb::module_& m);
 void register_compressor(nb::module_& m);
+void register_openmp_runner(nb::module_& m);
 void register_sparse_attention(nb::module_& m);
 
 }  // namespace dsa::python

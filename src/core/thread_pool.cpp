@@ -154,6 +154,10 @@ int resolve_num_threads(int requested) {
   return requested > 0 ? requested : default_num_threads();
 }
 
+namespace {
+std::atomic<ParallelRunner> g_runner{nullptr};
+}  // namespace
+
 void parallel_for(std::int64_t n_tasks, int num_threads,
                   const std::function<void(std::int64_t task, int thread)>& body) {
   if (n_tasks <= 0) return;
@@ -163,8 +167,24 @@ void parallel_for(std::int64_t n_tasks, int num_threads,
     for (std::int64_t t = 0; t < n_tasks; ++t) body(t, 0);
     return;
   }
+  if (ParallelRunner runner = g_runner.load()) {
+    // Tasks mark their thread as inside a region, so nested ones run inline.
+    runner(n_tasks, num_threads, [&body](std::int64_t task, int thread) {
+      const bool outer = t_inside_pool;
+      t_inside_pool = true;
+      struct Restore {
+        bool value;
+        ~Restore() { t_inside_pool = value; }
+      } restore{outer};
+      body(task, thread);
+    });
+    return;
+  }
   Pool::instance().run(n_tasks, num_threads, body);
 }
 
 }  // namespace core
+
+void set_parallel_runner(ParallelRunner runner) { core::g_runner.store(runner); }
+
 }  // namespace dsa
