@@ -11,7 +11,8 @@ namespace {
 
 using namespace core;
 
-// Checks a caller-allocated output: CPU, dtype, contiguous, exact shape.
+// Checks a caller-allocated tensor of a known shape (an output, or the saved
+// statistics): CPU, dtype, contiguous, exact shape.
 void require_output(const TensorView& t, const char* name, DType dtype, const TensorView& like,
                     const char* expected_shape) {
   require_present(t, name);
@@ -164,16 +165,8 @@ void run_bwd(const TensorView& grad_compressed, const TensorView& kv, const Tens
   p.grad_gate = grad_gate.data;
   p.grad_position_bias = grad_position_bias.ptr<float>();
   if (stats) {
-    require_present(*stats, "stats");
-    require_cpu(*stats, "stats");
-    require_dtype(*stats, "stats", {DType::f32});
-    const TensorView expected = stats_shape(kv, p, tnd);
-    bool same = stats->ndim == expected.ndim;
-    for (int d = 0; same && d < expected.ndim; ++d) same = stats->shape[d] == expected.shape[d];
-    if (!same)
-      fail_argument("stats: expected shape ", stats_shape_name(tnd), " = ", shape_string(expected), ", got ",
-                    shape_string(*stats));
-    if (stats->numel() > 0) require_contiguous(*stats, "stats");
+    // The same checks as for the forward's output (CPU, fp32, exact shape, contiguous).
+    require_output(*stats, "stats", DType::f32, stats_shape(kv, p, tnd), stats_shape_name(tnd));
     p.stats = const_cast<float*>(stats->ptr<const float>());  // read only by the backward
   }
   if (backend == Backend::reference) reference::compressor_bwd(p);

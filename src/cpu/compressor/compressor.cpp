@@ -158,7 +158,8 @@ struct ThreadScratch {
     slots.assign(p.num_threads, std::vector<SlotRef>(max_slots));
     floats.reserve(p.num_threads);  // no reallocation: `data` points into each element
     // backward_from_stats keeps a row of c floats (padded to a vector) there.
-    const std::int64_t floats_each = std::max({scratch_floats(max_slots), max_slots, (p.channels + 15) / 16 * 16});
+    // (scratch_floats also covers the portable kernel's one float per slot.)
+    const std::int64_t floats_each = std::max(scratch_floats(max_slots), (p.channels + 15) / 16 * 16);
     for (int i = 0; i < p.num_threads; ++i) floats.emplace_back(floats_each);
   }
 };
