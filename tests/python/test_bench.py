@@ -5,6 +5,7 @@ on tiny cases so a broken `make run` shows up in `make test`.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -13,7 +14,7 @@ import sys
 import torch
 
 import dsa
-from dsa.bench import runner
+from dsa.bench import machine, runner
 from dsa.bench.case import FUSED, NAIVE, REFERENCE, Case
 from dsa.bench.report import COLUMNS, format_table
 from dsa.naive import naive_indexer
@@ -75,6 +76,21 @@ def test_run_case_ratios_and_table():
     table = format_table(results)
     assert all(col in table for col in COLUMNS)
     assert "skipped: not here" in table
+
+
+def test_timed_runs_start_flushed_with_the_collector_off(monkeypatch):
+    events = []
+    monkeypatch.setattr(runner, "flush_caches", lambda: events.append("flush"))
+
+    def op(_):
+        events.append("gc on" if gc.isenabled() else "gc off")
+        return 0
+    assert gc.isenabled()
+    times = runner.time_impl(op, {}, repeats=3)
+    assert len(times) == 3 and gc.isenabled()
+    # Two warm-up runs (a cheap op), then flush + run three times.
+    assert events == ["gc on", "gc on"] + ["flush", "gc off"] * 3
+    assert machine.cache_flush_bytes() >= max(256 << 20, machine.last_level_cache_bytes())
 
 
 def test_peak_memory_counts_what_the_op_allocates():

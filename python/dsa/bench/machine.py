@@ -26,6 +26,34 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def last_level_cache_bytes() -> int:
+    """Size of the largest CPU cache sysfs reports for CPU 0 (0 when unknown)."""
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    best = 0
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return 0
+    for name in names:
+        try:
+            with open(os.path.join(base, name, "size")) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:].upper(), 1)
+        digits = text[:-1] if scale != 1 else text
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
+
+
+def cache_flush_bytes() -> int:
+    """Bytes the harness writes before each timed run to evict the previous run's
+    data: the last-level cache's size, at least 256 MiB (on this VM copies slow to
+    memory speed from 128 MiB, so its share of the 480 MiB L3 is smaller still)."""
+    return max(256 << 20, last_level_cache_bytes())
+
+
 def machine_info(threads: int) -> dict:
     from .. import _C
     try:
@@ -40,6 +68,7 @@ def machine_info(threads: int) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "load_avg_1min_at_start": round(load, 2),
+        "cache_flush_mib": cache_flush_bytes() >> 20,
     }
 
 

@@ -32,6 +32,8 @@ def header_lines(machine: dict, ceilings: dict) -> list[str]:
         f"ceilings (torch, same run, best of start/end): bf16 GEMM {ceilings['bf16_gemm'] / 1e12:.2f} TFLOP/s, "
         f"fp32 GEMM {ceilings['fp32_gemm'] / 1e12:.3f} TFLOP/s, "
         f"copy {ceilings['copy_bw'] / 1e9:.1f} GB/s (read + write)",
+        f"timing: median of runs after warm-up, each run after {machine.get('cache_flush_mib', '?')} MiB "
+        f"written to flush the caches, garbage collector off",
     ]
 
 

@@ -51,8 +51,30 @@ def impls_of(case: Case) -> list[str]:
 
 # ------------------------------------------------------------------------- timing
 
+_flush_buffer = None
+
+
+def flush_caches() -> None:
+    """Writes a buffer larger than the last-level cache, on all of torch's threads."""
+    global _flush_buffer
+    if _flush_buffer is None:
+        import torch
+        from .machine import cache_flush_bytes
+        _flush_buffer = torch.empty(cache_flush_bytes(), dtype=torch.uint8)
+    _flush_buffer.zero_()
+
+
 def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int]) -> list[float]:
-    """Seconds of each timed run, after warm-up (first call: lazy init, page faults)."""
+    """Seconds of each timed run, after warm-up (first call: lazy init, page faults).
+
+    Each timed run starts the way an op starts inside a model step: its data out
+    of the caches (flush_caches(), as Triton's do_bench clears the GPU's L2) and
+    the cores awake (the flush runs on every thread). The garbage collector runs
+    once before the timed runs and is off during them, as timeit does, so no
+    collection lands inside a run. (Collecting before every run instead left one
+    vCPU idle for ~60 ms each time, and on a VM an idle vCPU comes back slow:
+    that measured the host's wake-up, not the op.)
+    """
     t0 = time.perf_counter()
     out = fn(inputs)
     estimate = time.perf_counter() - t0
@@ -68,16 +90,23 @@ def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int]) -> list[float]
         if estimate > SLOW_RUN_S:  # minutes-long naive peers: one timed run after the warm-up
             repeats = 1
     times: list[float] = []
-    start = time.perf_counter()
-    for _ in range(repeats):
-        gc.collect()
-        t0 = time.perf_counter()
-        out = fn(inputs)
-        times.append(time.perf_counter() - t0)
-        del out
-        # The estimate can be off on a loaded machine: bound the wall time, not only the count.
-        if auto and len(times) >= MIN_REPEATS and time.perf_counter() - start > 2 * TIME_BUDGET_S:
-            break
+    gc.collect()
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            flush_caches()
+            t0 = time.perf_counter()
+            out = fn(inputs)
+            times.append(time.perf_counter() - t0)
+            del out
+            # The estimate can be off on a loaded machine: bound the wall time, not only the count.
+            if auto and len(times) >= MIN_REPEATS and time.perf_counter() - start > 2 * TIME_BUDGET_S:
+                break
+    finally:
+        if collecting:
+            gc.enable()
     return times
 
 
