@@ -10,20 +10,24 @@ from ._common import check_backend, check_int, check_layout, check_tensor, num_t
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 
 
-def _compressed_shape(kv: torch.Tensor, ratio: int, overlap: bool, compressed_rows: int, layout: str):
+def _compressed_shape(kv: torch.Tensor, ratio: int, overlap: bool, compressed_rows, layout: str):
     c = kv.shape[-1] // 2 if overlap else kv.shape[-1]
     return (compressed_rows, c) if layout == "TND" else (kv.shape[0], kv.shape[1] // ratio, c)
 
 
-def _stats_shape(kv: torch.Tensor, ratio: int, overlap: bool, compressed_rows: int, layout: str, save: bool):
-    if not save:
-        return (0,)
-    shape = _compressed_shape(kv, ratio, overlap, compressed_rows, layout)
-    return shape[:-1] + (3, shape[-1])
+def _stats_shape(compressed_shape: tuple, save: bool):
+    return compressed_shape[:-1] + (3, compressed_shape[-1]) if save else (0,)
 
 
-# The compressed length of TND depends on the length values, so the wrapper
-# computes it (`compressed_rows`) and the fake kernel reads the shape from it.
+def _entries(cu_seqlens: list[int], ratio: int) -> int:
+    return sum(max(b - a, 0) // ratio for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+
+
+# The compressed length of TND depends on the length values. With lengths the
+# wrapper knows as Python ints it passes the row count (`compressed_rows`), so
+# the fake kernel's shape is static. With tensor lengths it passes -1: the
+# kernel counts the rows itself and the fake kernel gives them an unbacked
+# size, which keeps tensor lengths traceable under torch.compile.
 # With `save_stats` the forward also returns the softmax statistics
 # ([..., 3, c] fp32: max, 1 / sum, fp32 output) for the backward, which then
 # works in one pass; otherwise the second output is empty.
@@ -31,19 +35,24 @@ def _stats_shape(kv: torch.Tensor, ratio: int, overlap: bool, compressed_rows: i
 def _compressor_op(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int,
                    overlap: bool, query_lengths: Optional[torch.Tensor], compressed_rows: int,
                    layout: str, backend: str, save_stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    out = _buffers.empty(_compressed_shape(kv, ratio, overlap, compressed_rows, layout), kv.dtype, kv.device)
-    stats = _buffers.empty(_stats_shape(kv, ratio, overlap, compressed_rows, layout, save_stats), torch.float32,
-                           kv.device)
-    _C.compressor_fwd(kv, gate, position_bias, out, ratio, overlap, to_cu_seqlens(query_lengths, layout),
-                      layout, backend, num_threads(), stats if save_stats else None)
+    cu_seqlens = to_cu_seqlens(query_lengths, layout)
+    if compressed_rows < 0 and layout == "TND":
+        # Bad lengths are the kernel's to report; any row count lets it run.
+        compressed_rows = _entries(cu_seqlens, max(ratio, 1)) if cu_seqlens else kv.shape[0] // max(ratio, 1)
+    shape = _compressed_shape(kv, ratio, overlap, compressed_rows, layout)
+    out = _buffers.empty(shape, kv.dtype, kv.device)
+    stats = _buffers.empty(_stats_shape(shape, save_stats), torch.float32, kv.device)
+    _C.compressor_fwd(kv, gate, position_bias, out, ratio, overlap, cu_seqlens, layout, backend, num_threads(),
+                      stats if save_stats else None)
     return out, stats
 
 
 @_compressor_op.register_fake
 def _(kv, gate, position_bias, ratio, overlap, query_lengths, compressed_rows, layout, backend, save_stats):
-    return (kv.new_empty(_compressed_shape(kv, ratio, overlap, compressed_rows, layout)),
-            kv.new_empty(_stats_shape(kv, ratio, overlap, compressed_rows, layout, save_stats),
-                         dtype=torch.float32))
+    if compressed_rows < 0 and layout == "TND":
+        compressed_rows = torch.library.get_ctx().new_dynamic_size()
+    shape = _compressed_shape(kv, ratio, overlap, compressed_rows, layout)
+    return kv.new_empty(shape), kv.new_empty(_stats_shape(shape, save_stats), dtype=torch.float32)
 
 
 @torch.library.custom_op("dsa::compressor_backward", mutates_args=())
@@ -92,16 +101,31 @@ _compressor_op.register_autograd(_backward, setup_context=_setup_context)
 _STATS_MIN_SLOTS = _C.compressor_stats_min_slots()
 
 
-def _raw_lengths(query_lengths: Lengths, layout: str, kv: torch.Tensor) -> list[int]:
-    """Per-sequence raw token counts, from the user's form (plain ints, no tensor op
-    when the lengths are a Python sequence, so torch.compile sees constants)."""
+def _compressed_lengths(query_lengths: Lengths, lengths_tensor: Optional[torch.Tensor], layout: str,
+                        kv: torch.Tensor, ratio: int):
+    """(compressed_lengths in the user's convention, row count for the op).
+
+    Python-int lengths stay Python ints (torch.compile sees constants); tensor
+    lengths are computed on with tensor ops (traceable, no .tolist()), and the
+    TND row count is left to the op (-1)."""
+    if isinstance(query_lengths, torch.Tensor):
+        raw = lengths_tensor if layout == "BSND" else torch.diff(lengths_tensor, prepend=lengths_tensor.new_zeros(1))
+        counts = torch.div(raw.clamp_min(0), ratio, rounding_mode="floor")
+        out = counts.cumsum(0) if layout == "TND" else counts
+        return out.to(query_lengths.device), -1
     if query_lengths is None:
-        return [kv.shape[0]] if layout == "TND" else [kv.shape[1]] * kv.shape[0]
-    items = query_lengths.tolist() if isinstance(query_lengths, torch.Tensor) else list(query_lengths)
-    items = [int(v) for v in items]
+        raw = [kv.shape[0]] if layout == "TND" else [kv.shape[1]] * kv.shape[0]
+    else:
+        items = [int(v) for v in query_lengths]
+        raw = items if layout == "BSND" else [b - a for a, b in zip([0] + items[:-1], items)]
+    counts = [max(n, 0) // ratio for n in raw]
     if layout == "BSND":
-        return items
-    return [b - a for a, b in zip([0] + items[:-1], items)]
+        return counts, sum(counts)
+    ends, total = [], 0
+    for n in counts:
+        total += n
+        ends.append(total)
+    return ends, total
 
 
 def dsa_compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, *, ratio: int,
@@ -140,22 +164,11 @@ def dsa_compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Te
     if kv.dim() != expected_dims:
         shape = "[S, C]" if layout == "TND" else "[B, Sk, C]"
         raise ValueError(f"kv: expected shape {shape}, got {list(kv.shape)}")
-    raw = _raw_lengths(query_lengths, layout, kv)
-    counts = [max(n, 0) // ratio for n in raw]
-    compressed_rows = sum(counts)
+    out_lengths, compressed_rows = _compressed_lengths(query_lengths, lengths_tensor, layout, kv, ratio)
     # The backward starts from saved softmax statistics where the fused kernels
     # gain from it (many slots per entry) and a gradient will be taken.
     save_stats = (backend != "reference" and (2 if overlap else 1) * ratio >= _STATS_MIN_SLOTS
                   and torch.is_grad_enabled() and any(t.requires_grad for t in (kv, gate, position_bias)))
     compressed, _ = _compressor_op(kv, gate, position_bias, ratio, overlap, lengths_tensor,
                                    compressed_rows, layout, backend, save_stats)
-    if layout == "TND":
-        out_lengths, total = [], 0
-        for n in counts:
-            total += n
-            out_lengths.append(total)
-    else:
-        out_lengths = counts
-    if isinstance(query_lengths, torch.Tensor):
-        out_lengths = torch.tensor(out_lengths, dtype=torch.int64, device=query_lengths.device)
     return compressed, out_lengths

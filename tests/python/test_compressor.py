@@ -168,6 +168,32 @@ def test_opcheck_and_compile():
             torch.testing.assert_close(a, b)
 
 
+def test_tensor_lengths_trace_under_compile():
+    # Tensor lengths: the TND row count becomes an unbacked size, BSND needs none;
+    # no graph break either way, and the same values and gradients as eager.
+    kv, gate, bias = make_inputs((37,), 16, 4, torch.float32)
+    ends = torch.tensor([9, 37])
+    torch.library.opcheck(_compressor_op, (kv.requires_grad_(), gate.requires_grad_(), bias.requires_grad_(),
+                                           4, True, ends, -1, "TND", "auto", False))
+    kv2, gate2, bias2 = make_inputs((2, 40), 8, 16, torch.float32)
+    rows = torch.tensor([40, 17])
+    for layout, args, lengths in (("TND", (kv, gate, bias), ends), ("BSND", (kv2, gate2, bias2), rows)):
+        ratio = bias.shape[0] if layout == "TND" else 16
+
+        def f(k, g, b, n):
+            out, counts = dsa_compressor(k, g, b, ratio=ratio, query_lengths=n, layout=layout)
+            return out.square().sum() + counts.sum()
+
+        compiled = torch.compile(f, fullgraph=True, backend="inductor", dynamic=False)
+        eager = run_with_grads(lambda k, g, b: f(k, g, b, lengths).reshape(1), *args)
+        traced = run_with_grads(lambda k, g, b: compiled(k, g, b, lengths).reshape(1), *args)
+        for a, b in zip(eager, traced):
+            torch.testing.assert_close(a, b)
+        _, counts = dsa_compressor(*args, ratio=ratio, query_lengths=lengths, layout=layout)
+        expected = [9 // 4, 9 // 4 + 28 // 4] if layout == "TND" else [40 // 16, 17 // 16]
+        assert counts.dtype == torch.int64 and counts.tolist() == expected
+
+
 def test_bad_inputs():
     kv, gate, bias = make_inputs((16,), 8, 4, torch.float32)
     with pytest.raises(ValueError, match="ratio"):
@@ -182,6 +208,9 @@ def test_bad_inputs():
         dsa_compressor(kv, gate, bias, ratio=4, query_lengths=[8, 15])
     with pytest.raises(ValueError, match="query_lengths"):
         dsa_compressor(kv, gate, bias, ratio=4, query_lengths=[9, 8, 16])
+    for bad in ([9, 8, 16], [8, 15], [-4, 16]):  # the same errors from tensor lengths
+        with pytest.raises(ValueError, match="query_lengths"):
+            dsa_compressor(kv, gate, bias, ratio=4, query_lengths=torch.tensor(bad))
     with pytest.raises(ValueError, match="query_lengths"):
         dsa_compressor(kv.reshape(2, 8, 8), gate.reshape(2, 8, 8), bias, ratio=4, query_lengths=[9, 3],
                        layout="BSND")
