@@ -1,3 +1,5 @@
+#include <array>
+
 #include "tensor_view.h"
 
 namespace dsa::python {
@@ -5,6 +7,21 @@ namespace dsa::python {
 using Arr = nb::ndarray<>;
 using OptArr = std::optional<nb::ndarray<>>;
 using Cu = std::vector<std::int64_t>;
+
+namespace {
+
+// The ten inputs the dense KL's forward and backward both take, in their order.
+std::array<TensorView, 10> dense_inputs(const Arr& index_query, const Arr& index_key, const Arr& head_weights,
+                                        const Arr& query, const Arr& key, const Arr& softmax_max,
+                                        const Arr& softmax_sum, const Arr& indexer_lse, const OptArr& query_rope,
+                                        const OptArr& key_rope) {
+  return {to_view(index_query, "index_query"), to_view(index_key, "index_key"),
+          to_view(head_weights, "head_weights"), to_view(query, "query"), to_view(key, "key"),
+          to_view(softmax_max, "softmax_max"), to_view(softmax_sum, "softmax_sum"),
+          to_view(indexer_lse, "indexer_lse"), to_view(query_rope, "query_rope"), to_view(key_rope, "key_rope")};
+}
+
+}  // namespace
 
 void register_kl_loss(nb::module_& m) {
   m.def("kl_loss_fwd",
@@ -76,13 +93,11 @@ void register_kl_loss(nb::module_& m) {
           const DenseIndexerKlParams p = dense_params(scale, index_scale, std::move(cu_q), std::move(cu_k), layout,
                                                       loss_coefficient, reduction, num_threads);
           const Backend b = parse_backend(backend);
-          const TensorView v[] = {to_view(index_query, "index_query"), to_view(index_key, "index_key"),
-                                  to_view(head_weights, "head_weights"), to_view(query, "query"), to_view(key, "key"),
-                                  to_view(softmax_max, "softmax_max"), to_view(softmax_sum, "softmax_sum"),
-                                  to_view(indexer_lse, "indexer_lse"), to_view(query_rope, "query_rope"),
-                                  to_view(key_rope, "key_rope"), to_view(loss, "loss")};
+          const auto v = dense_inputs(index_query, index_key, head_weights, query, key, softmax_max, softmax_sum,
+                                      indexer_lse, query_rope, key_rope);
+          const TensorView out = to_view(loss, "loss");
           nb::gil_scoped_release release;
-          dense_indexer_kl_loss_fwd(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], p, v[10], b);
+          dense_indexer_kl_loss_fwd(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], p, out, b);
         });
   m.def("dense_indexer_kl_loss_bwd",
         [dense_params](Arr index_query, Arr index_key, Arr head_weights, Arr query, Arr key, Arr softmax_max,
@@ -93,15 +108,13 @@ void register_kl_loss(nb::module_& m) {
           const DenseIndexerKlParams p = dense_params(scale, index_scale, std::move(cu_q), std::move(cu_k), layout,
                                                       loss_coefficient, reduction, num_threads);
           const Backend b = parse_backend(backend);
-          const TensorView v[] = {to_view(index_query, "index_query"), to_view(index_key, "index_key"),
-                                  to_view(head_weights, "head_weights"), to_view(query, "query"), to_view(key, "key"),
-                                  to_view(softmax_max, "softmax_max"), to_view(softmax_sum, "softmax_sum"),
-                                  to_view(indexer_lse, "indexer_lse"), to_view(query_rope, "query_rope"),
-                                  to_view(key_rope, "key_rope"), to_view(d_index_query, "d_index_query"),
-                                  to_view(d_index_key, "d_index_key"), to_view(d_head_weights, "d_head_weights")};
+          const auto v = dense_inputs(index_query, index_key, head_weights, query, key, softmax_max, softmax_sum,
+                                      indexer_lse, query_rope, key_rope);
+          const TensorView dq = to_view(d_index_query, "d_index_query"), dk = to_view(d_index_key, "d_index_key"),
+                           dw = to_view(d_head_weights, "d_head_weights");
           nb::gil_scoped_release release;
           dense_indexer_kl_loss_bwd(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9],
-                                    static_cast<float>(grad_loss), p, v[10], v[11], v[12], b);
+                                    static_cast<float>(grad_loss), p, dq, dk, dw, b);
         });
 }
 

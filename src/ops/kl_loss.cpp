@@ -101,6 +101,35 @@ SequencePlan plan_for(const TensorView& index_query, const TensorView& index_key
   return plan_sequences(spec);
 }
 
+// score_grad: [rows, topk] fp32, the shape of indices (a forward output, the backward's input).
+void require_score_grad(const TensorView& score_grad, const TensorView& indices, int lead) {
+  require_cpu(score_grad, "score_grad");
+  require_dtype(score_grad, "score_grad", {DType::f32});
+  require_contiguous(score_grad, "score_grad");
+  const std::int64_t rows = lead == 0 ? indices.size(0) : indices.size(0) * indices.size(1);
+  if (score_grad.numel() != rows * indices.size(-1))
+    fail_argument("score_grad: expected ", rows, " x ", indices.size(-1), " elements (the shape of indices), got shape ",
+                  shape_string(score_grad));
+}
+
+void set_indexer_side(SparseKlIndexerSide& p, const TensorView& indices, const TensorView& index_query,
+                      const TensorView& index_key, const TensorView& weights, const KlLossParams& params,
+                      int lead) {
+  p.plan = plan_for(index_query, index_key, params, lead);
+  p.indices = indices.ptr<std::int32_t>();
+  p.index_row_stride = indices.stride(lead);
+  p.topk = indices.size(-1);
+  p.index_query = detail::head_matrix(index_query, lead, "index_query");
+  p.index_key = detail::head_matrix(index_key, lead, "index_key");
+  p.weights = detail::head_matrix(weights, lead, "weights");
+  p.weights.heads = weights.size(-1);
+  p.weights.head_stride = weights.stride(-1);
+  p.weights.dim = 1;
+  p.index_scale = params.index_scale;
+  p.ratio = params.cmp_ratio;
+  p.num_threads = resolve_num_threads(params.num_threads);
+}
+
 }  // namespace
 
 void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView& indices,
@@ -151,40 +180,20 @@ void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView
   require_cpu(loss, "loss");
   require_dtype(loss, "loss", {DType::f32});
   if (loss.numel() != 1) fail_argument("loss: expected one element, got shape ", shape_string(loss));
-  if (score_grad.present()) {
-    require_cpu(score_grad, "score_grad");
-    require_dtype(score_grad, "score_grad", {DType::f32});
-    require_contiguous(score_grad, "score_grad");
-    const std::int64_t rows = tnd ? indices.size(0) : indices.size(0) * indices.size(1);
-    if (score_grad.numel() != rows * indices.size(-1))
-      fail_argument("score_grad: expected ", rows, " x ", indices.size(-1), " elements (the shape of indices), got shape ",
-                    shape_string(score_grad));
-  }
+  if (score_grad.present()) require_score_grad(score_grad, indices, lead);
 
   SparseKlProblem p;
-  p.plan = plan_for(index_query, index_key, params, lead);
+  set_indexer_side(p, indices, index_query, index_key, weights, params, lead);
   p.query = detail::head_matrix(query, lead, "query");
   p.query_rope = detail::head_matrix(query_rope, lead, "query_rope");
   p.kv = detail::head_matrix(kv, lead, "kv");
   p.key_rope = detail::head_matrix(key_rope, lead, "key_rope");
-  p.indices = indices.ptr<std::int32_t>();
-  p.index_row_stride = indices.stride(lead);
-  p.topk = indices.size(-1);
   p.softmax_max = softmax_max.ptr<float>();
   p.softmax_sum = softmax_sum.ptr<float>();
   p.sinks = sinks.present() ? sinks.ptr<float>() : nullptr;
-  p.index_query = detail::head_matrix(index_query, lead, "index_query");
-  p.index_key = detail::head_matrix(index_key, lead, "index_key");
-  p.weights = detail::head_matrix(weights, lead, "weights");
-  p.weights.heads = weights.size(-1);
-  p.weights.head_stride = weights.stride(-1);
-  p.weights.dim = 1;
   p.scale = params.scale;
-  p.index_scale = params.index_scale;
   p.coefficient = params.loss_coefficient;
   p.reduction = params.reduction;
-  p.ratio = params.cmp_ratio;
-  p.num_threads = resolve_num_threads(params.num_threads);
   p.loss = loss.ptr<float>();
   p.score_grad = score_grad.present() ? score_grad.ptr<float>() : nullptr;
   if (backend == Backend::reference) reference::kl_loss_fwd(p);
@@ -202,34 +211,16 @@ void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
   backend = resolve_backend(backend, index_query.device);
   validate_indexer_side(indices, index_query, index_key, weights, params, lead);
   require_present(score_grad, "score_grad");
-  require_cpu(score_grad, "score_grad");
-  require_dtype(score_grad, "score_grad", {DType::f32});
-  require_contiguous(score_grad, "score_grad");
-  const std::int64_t rows = tnd ? indices.size(0) : indices.size(0) * indices.size(1);
-  if (score_grad.numel() != rows * indices.size(-1))
-    fail_argument("score_grad: expected ", rows, " x ", indices.size(-1), " elements (the shape of indices), got shape ",
-                  shape_string(score_grad));
+  require_score_grad(score_grad, indices, lead);
   if (!std::isfinite(grad_loss)) fail_argument("grad_loss: expected a finite number, got ", grad_loss);
   detail::require_gradient_output(d_index_query, index_query, "d_index_query");
   detail::require_gradient_output(d_index_key, index_key, "d_index_key");
   detail::require_gradient_output(d_weights, weights, "d_weights");
 
   SparseKlBackwardProblem p;
-  p.plan = plan_for(index_query, index_key, params, lead);
-  p.indices = indices.ptr<std::int32_t>();
-  p.index_row_stride = indices.stride(lead);
-  p.topk = indices.size(-1);
-  p.index_query = detail::head_matrix(index_query, lead, "index_query");
-  p.index_key = detail::head_matrix(index_key, lead, "index_key");
-  p.weights = detail::head_matrix(weights, lead, "weights");
-  p.weights.heads = weights.size(-1);
-  p.weights.head_stride = weights.stride(-1);
-  p.weights.dim = 1;
+  set_indexer_side(p, indices, index_query, index_key, weights, params, lead);
   p.score_grad = score_grad.ptr<float>();
   p.grad_loss = grad_loss;
-  p.index_scale = params.index_scale;
-  p.ratio = params.cmp_ratio;
-  p.num_threads = resolve_num_threads(params.num_threads);
   p.key_rows = tnd ? index_key.size(0) : index_key.size(0) * index_key.size(1);
   p.d_index_query = d_index_query.data;
   p.d_index_key = d_index_key.data;

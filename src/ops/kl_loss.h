@@ -31,24 +31,18 @@ struct HeadMatrix {
   }
 };
 
-struct SparseKlProblem {
-  HeadMatrix query, query_rope;  // [rows, H, D], [rows, H, Dr]
-  HeadMatrix kv, key_rope;       // [key rows, 1, D], [key rows, 1, Dr]
+// What the sparse KL's forward and backward share: the indexer side (indices,
+// the indexer's query, key and head weights) and the sequences.
+struct SparseKlIndexerSide {
   const std::int32_t* indices = nullptr;  // [rows, topk]
   std::int64_t index_row_stride = 0, topk = 0;
-  const float* softmax_max = nullptr;  // [rows, H] contiguous
-  const float* softmax_sum = nullptr;
-  const float* sinks = nullptr;  // [H] or null
-  HeadMatrix index_query;        // [rows, Hi, Di]
-  HeadMatrix index_key;          // [key rows, 1, Di]
-  HeadMatrix weights;            // [rows, Hi, 1]
-  float scale = 1.0f, index_scale = 1.0f, coefficient = 1.0f;
-  Reduction reduction = Reduction::mean;
+  HeadMatrix index_query;  // [rows, Hi, Di]
+  HeadMatrix index_key;    // [key rows, 1, Di]
+  HeadMatrix weights;      // [rows, Hi, 1]
+  float index_scale = 1.0f;
   std::int64_t ratio = 1;
   int num_threads = 1;
   core::SequencePlan plan;  // keys of sequence b: rows [c_begin, c_begin + c_len)
-  float* loss = nullptr;        // one element
-  float* score_grad = nullptr;  // [rows, topk] contiguous, or null
 
   // Whether entry `idx` of query i of `seq` is read (section 2).
   bool valid(const core::SequenceSlice& seq, std::int64_t i, std::int32_t idx) const {
@@ -56,24 +50,25 @@ struct SparseKlProblem {
   }
 };
 
-struct SparseKlBackwardProblem {
-  const std::int32_t* indices = nullptr;
-  std::int64_t index_row_stride = 0, topk = 0;
-  HeadMatrix index_query, index_key, weights;
+struct SparseKlProblem : SparseKlIndexerSide {
+  HeadMatrix query, query_rope;  // [rows, H, D], [rows, H, Dr]
+  HeadMatrix kv, key_rope;       // [key rows, 1, D], [key rows, 1, Dr]
+  const float* softmax_max = nullptr;  // [rows, H] contiguous
+  const float* softmax_sum = nullptr;
+  const float* sinks = nullptr;  // [H] or null
+  float scale = 1.0f, coefficient = 1.0f;
+  Reduction reduction = Reduction::mean;
+  float* loss = nullptr;        // one element
+  float* score_grad = nullptr;  // [rows, topk] contiguous, or null
+};
+
+struct SparseKlBackwardProblem : SparseKlIndexerSide {
   const float* score_grad = nullptr;  // [rows, topk] contiguous
   float grad_loss = 1.0f;
-  float index_scale = 1.0f;
-  std::int64_t ratio = 1;
-  int num_threads = 1;
-  core::SequencePlan plan;
   std::int64_t key_rows = 0;  // rows of the flattened index_key
   void* d_index_query = nullptr;  // contiguous, dtypes of the inputs
   void* d_index_key = nullptr;
   void* d_weights = nullptr;
-
-  bool valid(const core::SequenceSlice& seq, std::int64_t i, std::int32_t idx) const {
-    return idx >= 0 && idx < seq.c_len && idx < visible_compressed(seq.position(i), ratio);
-  }
 };
 
 struct DenseLseProblem {

@@ -379,6 +379,28 @@ void amx_forward_row(const Shape& s, const float* sinks, const QueryRow& query, 
 // A second product A2 . B2 (same strides as the first, k2_chunks deep) is
 // added to the column groups ng < n2_groups while their C tiles are resident:
 // the dkv pass adds its value part P^T.dO to the key part dS^T.Q that way.
+// Tiles 0-3 (rows m, m + 1 x column groups n, n + 1) += A . B over k_chunks
+// chunks: A's row tiles at a and a + 16 * a_stride, B's column groups at b and
+// b + b_group; the second row / group only where two_m / two_n.
+inline void accumulate_tiles(const std::uint16_t* a, int as, std::int64_t a_stride, const std::uint16_t* b, int bs,
+                             std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks, bool two_m,
+                             bool two_n) {
+  for (std::int64_t kc = 0; kc < k_chunks; ++kc) {
+    _tile_loadd(4, a + kc * 32, as);
+    _tile_loadd(6, b + kc * b_chunk, bs);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two_n) {
+      _tile_loadd(7, b + kc * b_chunk + b_group, bs);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (two_m) {
+      _tile_loadd(5, a + 16 * a_stride + kc * 32, as);
+      _tile_dpbf16ps(2, 5, 6);
+      if (two_n) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+}
+
 void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m_tiles, std::int64_t n_groups,
                 const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
                 std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks, std::int64_t n2_groups,
@@ -403,37 +425,11 @@ void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m
         _tile_zero(2);
         _tile_zero(3);
       }
-      for (std::int64_t kc = 0; kc < k_chunks; ++kc) {
-        _tile_loadd(4, a + mt * 16 * a_stride + kc * 32, as);
-        _tile_loadd(6, b + kc * b_chunk + ng * b_group, bs);
-        _tile_dpbf16ps(0, 4, 6);
-        if (two_n) {
-          _tile_loadd(7, b + kc * b_chunk + (ng + 1) * b_group, bs);
-          _tile_dpbf16ps(1, 4, 7);
-        }
-        if (two_m) {
-          _tile_loadd(5, a + (mt + 1) * 16 * a_stride + kc * 32, as);
-          _tile_dpbf16ps(2, 5, 6);
-          if (two_n) _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      if (ng < n2_groups) {
-        const bool two_n2 = ng + 1 < n2_groups;
-        for (std::int64_t kc = 0; kc < k2_chunks; ++kc) {
-          _tile_loadd(4, a2 + mt * 16 * a_stride + kc * 32, as);
-          _tile_loadd(6, b2 + kc * b2_chunk + ng * b_group, b2s);
-          _tile_dpbf16ps(0, 4, 6);
-          if (two_n2) {
-            _tile_loadd(7, b2 + kc * b2_chunk + (ng + 1) * b_group, b2s);
-            _tile_dpbf16ps(1, 4, 7);
-          }
-          if (two_m) {
-            _tile_loadd(5, a2 + (mt + 1) * 16 * a_stride + kc * 32, as);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two_n2) _tile_dpbf16ps(3, 5, 7);
-          }
-        }
-      }
+      accumulate_tiles(a + mt * 16 * a_stride, as, a_stride, b + ng * b_group, bs, b_chunk, b_group, k_chunks,
+                       two_m, two_n);
+      if (ng < n2_groups)
+        accumulate_tiles(a2 + mt * 16 * a_stride, as, a_stride, b2 + ng * b_group, b2s, b2_chunk, b_group,
+                         k2_chunks, two_m, ng + 1 < n2_groups);
       _tile_stored(0, c00, cs);
       if (two_n) _tile_stored(1, c00 + 16, cs);
       if (two_m) _tile_stored(2, c10, cs);
