@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <span>
 
 namespace dsa {
 
@@ -47,7 +48,9 @@ struct TensorView {
   T* ptr() const { return static_cast<T*>(data); }
 };
 
-// A contiguous view over caller memory.
+// A contiguous view over caller memory (at most kMaxDims dims, each >= 0;
+// dsa::Error otherwise).
+TensorView make_view(void* data, DType dtype, std::span<const std::int64_t> shape, Device device = Device::cpu);
 TensorView make_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
                      Device device = Device::cpu);
 

@@ -1,5 +1,7 @@
 #include "dsa/tensor.h"
 
+#include "core/validate.h"
+
 namespace dsa {
 
 const char* dtype_name(DType dtype) {
@@ -26,21 +28,26 @@ std::size_t dtype_size(DType dtype) {
 
 const char* device_name(Device device) { return device == Device::cpu ? "cpu" : "cuda"; }
 
-TensorView make_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape,
-                     Device device) {
+TensorView make_view(void* data, DType dtype, std::span<const std::int64_t> shape, Device device) {
+  if (shape.size() > static_cast<std::size_t>(kMaxDims))
+    core::fail_argument("shape: at most ", kMaxDims, " dims, got ", shape.size());
   TensorView v;
   v.data = data;
   v.dtype = dtype;
   v.device = device;
   v.ndim = static_cast<int>(shape.size());
-  int d = 0;
-  for (std::int64_t s : shape) v.shape[d++] = s;
   std::int64_t stride = 1;
-  for (d = v.ndim - 1; d >= 0; --d) {
+  for (int d = v.ndim - 1; d >= 0; --d) {
+    if (shape[d] < 0) core::fail_argument("shape: dim ", d, " is negative (", shape[d], ")");
+    v.shape[d] = shape[d];
     v.strides[d] = stride;
-    stride *= v.shape[d];
+    stride *= shape[d];
   }
   return v;
+}
+
+TensorView make_view(void* data, DType dtype, std::initializer_list<std::int64_t> shape, Device device) {
+  return make_view(data, dtype, std::span<const std::int64_t>(shape.begin(), shape.size()), device);
 }
 
 }  // namespace dsa

@@ -1,4 +1,4 @@
-// Core services: the thread pool and backend resolution.
+// Core services: the thread pool, backend resolution, contiguous views.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -10,6 +10,7 @@
 #include "core/thread_pool.h"
 #include "dsa/backend.h"
 #include "dsa/error.h"
+#include "dsa/tensor.h"
 
 namespace {
 
@@ -130,6 +131,30 @@ TEST(Backends, ReportProvesBuiltOnesRun) {
   }
   const std::string isa = dsa::cpu_isa_name();
   EXPECT_TRUE(isa == "amx" || isa == "avx512" || isa == "avx2" || isa == "portable") << isa;
+}
+
+TEST(TensorViews, MakeViewIsContiguousAndChecksItsShape) {
+  float data[24];
+  const std::vector<std::int64_t> shape{2, 3, 4};
+  for (const dsa::TensorView& v : {dsa::make_view(data, dsa::DType::f32, shape),
+                                   dsa::make_view(data, dsa::DType::f32, {2, 3, 4})}) {
+    EXPECT_EQ(v.ndim, 3);
+    EXPECT_EQ(v.stride(0), 12);
+    EXPECT_EQ(v.stride(1), 4);
+    EXPECT_EQ(v.stride(2), 1);
+    EXPECT_EQ(v.numel(), 24);
+    EXPECT_TRUE(v.is_contiguous());
+  }
+  const std::vector<std::int64_t> too_many(dsa::kMaxDims + 1, 1);
+  for (const auto& bad : {too_many, std::vector<std::int64_t>{2, -1}}) {
+    try {
+      dsa::make_view(data, dsa::DType::f32, bad);
+      ADD_FAILURE() << "accepted a bad shape";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("shape"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

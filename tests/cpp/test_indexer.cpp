@@ -49,34 +49,12 @@ struct Buffer {
   }
   void* data() { return dtype == DType::f32 ? static_cast<void*>(f32.data()) : static_cast<void*>(half.data()); }
   TensorView view() { return view_as(shape); }
-  TensorView view_as(const std::vector<std::int64_t>& s) {
-    TensorView v;
-    v.data = data();
-    v.dtype = dtype;
-    v.ndim = static_cast<int>(s.size());
-    std::int64_t stride = 1;
-    for (int d = v.ndim - 1; d >= 0; --d) {
-      v.shape[d] = s[d];
-      v.strides[d] = stride;
-      stride *= s[d];
-    }
-    return v;
-  }
+  TensorView view_as(const std::vector<std::int64_t>& s) { return make_view(data(), dtype, s); }
 };
 
 template <class T>
 TensorView view_of(std::vector<T>& data, DType dtype, const std::vector<std::int64_t>& s) {
-  TensorView v;
-  v.data = data.data();
-  v.dtype = dtype;
-  v.ndim = static_cast<int>(s.size());
-  std::int64_t stride = 1;
-  for (int d = v.ndim - 1; d >= 0; --d) {
-    v.shape[d] = s[d];
-    v.strides[d] = stride;
-    stride *= s[d];
-  }
-  return v;
+  return make_view(data.data(), dtype, s);
 }
 
 CuSeqlens cumulative(const std::vector<std::int64_t>& lengths) {

@@ -22,17 +22,8 @@ struct Buffer {
   DType dtype;
   std::vector<std::int64_t> shape;
   TensorView view() {
-    TensorView v;
-    v.data = dtype == DType::f32 ? static_cast<void*>(f32.data()) : static_cast<void*>(half.data());
-    v.dtype = dtype;
-    v.ndim = static_cast<int>(shape.size());
-    std::int64_t stride = 1;
-    for (int d = v.ndim - 1; d >= 0; --d) {
-      v.shape[d] = shape[d];
-      v.strides[d] = stride;
-      stride *= shape[d];
-    }
-    return v;
+    return make_view(dtype == DType::f32 ? static_cast<void*>(f32.data()) : static_cast<void*>(half.data()), dtype,
+                     shape);
   }
   float at(std::int64_t i) const {
     return dtype == DType::f32 ? f32[i] : core::load_float(half.data(), dtype, i);

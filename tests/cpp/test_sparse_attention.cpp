@@ -21,19 +21,7 @@ struct Buffer {
   DType dtype = DType::f32;
   std::vector<std::uint8_t> bytes;
   std::vector<std::int64_t> shape;
-  TensorView view() {
-    TensorView v;
-    v.data = bytes.data();
-    v.dtype = dtype;
-    v.ndim = static_cast<int>(shape.size());
-    std::int64_t stride = 1;
-    for (int d = v.ndim - 1; d >= 0; --d) {
-      v.shape[d] = shape[d];
-      v.strides[d] = stride;
-      stride *= shape[d];
-    }
-    return v;
-  }
+  TensorView view() { return make_view(bytes.data(), dtype, shape); }
   std::int64_t numel() const {
     std::int64_t n = 1;
     for (auto s : shape) n *= s;
