@@ -4,6 +4,8 @@ namespace dsa::core {
 
 std::string shape_string(const TensorView& t) {
   if (!t.present()) return "absent";
+  // A hand-made view may claim more dims than it can hold: say so, read no further.
+  if (t.ndim > kMaxDims) return std::to_string(t.ndim) + " dims (at most " + std::to_string(kMaxDims) + ")";
   std::ostringstream os;
   os << "[";
   for (int d = 0; d < t.ndim; ++d) os << (d ? ", " : "") << t.shape[d];

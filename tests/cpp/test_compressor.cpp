@@ -303,6 +303,9 @@ TEST(Compressor, BadInputsThrowAndWriteNothing) {
     dsa::compressor_fwd(p.view2(p.kv, p.C), p.view2(p.gate, p.C), pb, p.params, p.view2(out, cs.c),
                         dsa::make_view(stats.data(), DType::f32, {4, 2, cs.c}));
   }, "stats");
+  dsa::TensorView too_many = pb;  // a hand-made view claiming more dims than a view holds
+  too_many.ndim = dsa::kMaxDims + 1;
+  expect_error([&] { call(p.params, too_many); }, "position_bias");
   for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out.get(i), 5.0f);
   EXPECT_EQ(dsa::compressed_cu_seqlens({0, 3, 11, 20}, 4), (dsa::CuSeqlens{0, 0, 2, 4}));
 }
