@@ -15,11 +15,8 @@
 #include <memory>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "core/cpu_features.h"
+#include "core/memory.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/compressor/pool_kernels.h"
@@ -121,24 +118,6 @@ void set_prefetch(const CompressorProblem& p, const Entry& e, PoolArgs& args) {
   args.prefetch_bytes = p.ratio * p.kv_row_stride * static_cast<std::int64_t>(es);
 }
 
-// Gradient buffers are usually fresh allocations (autograd), so their first
-// touch page-faults: at 4 KiB pages that costs more than the kernel itself
-// (measured ~17 ms per 32 MiB here vs ~1.3 ms to fill it once mapped). Where
-// the system leaves transparent huge pages to madvise, ask for them on the
-// 2 MiB-aligned interior of the buffers we are about to overwrite entirely.
-void advise_huge_pages(void* data, std::size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
-  if (bytes < 2 * kHuge) return;
-  const auto begin = (reinterpret_cast<std::uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const auto end = (reinterpret_cast<std::uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);  // a hint: errors ignored
-#else
-  (void)data;
-  (void)bytes;
-#endif
-}
-
 // Per-thread scratch whose strips start on a 64-byte boundary (aligned vector stores).
 struct AlignedFloats {
   std::vector<float> storage;
@@ -206,8 +185,8 @@ void compressor_bwd(const CompressorProblem& p) {
   const PoolKernel& kernel = pick_kernel();
   const std::size_t es = element_size(p.dtype);
   const std::int64_t c = p.channels, C = p.in_channels, m = p.ratio;
-  advise_huge_pages(p.grad_kv, static_cast<std::size_t>(p.rows * C) * es);
-  advise_huge_pages(p.grad_gate, static_cast<std::size_t>(p.rows * C) * es);
+  core::advise_huge_pages(p.grad_kv, static_cast<std::size_t>(p.rows * C) * es);
+  core::advise_huge_pages(p.grad_gate, static_cast<std::size_t>(p.rows * C) * es);
   // Tokens outside every full block (dropped tails, BSND padding) get 0.
   for (const CompressorSequence& s : p.seqs) {
     const std::int64_t begin = s.token_begin + s.entries * m, end = s.token_begin + s.row_extent;

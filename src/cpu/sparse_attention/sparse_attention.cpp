@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/cpu_features.h"
+#include "core/memory.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/sparse_attention/attention_kernels.h"
@@ -280,7 +281,9 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   const std::size_t es = dtype_size(p.dtype);
   // Everything no task writes (padding rows, keys nobody attends) is zero.
   auto zero = [](void* data, std::int64_t bytes) {
-    if (data && bytes > 0) std::memset(data, 0, static_cast<std::size_t>(bytes));
+    if (!data || bytes <= 0) return;
+    core::advise_huge_pages(data, static_cast<std::size_t>(bytes));  // usually fresh gradient memory
+    std::memset(data, 0, static_cast<std::size_t>(bytes));
   };
   zero(p.d_query, p.plan.q_rows * H * p.dim * es);
   zero(p.d_kv, p.kv_rows * p.dim * es);
@@ -299,15 +302,7 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   // Per-row operands the kernel packs in phase 1 and reuses in phase 2 (AMX: the
   // query and grad_out in tile layouts), about the size of query + grad_out.
   const std::size_t packed_row = kernel.packed_row_bytes(shape);
-  struct AlignedBytes {
-    std::uint8_t* ptr = nullptr;
-    explicit AlignedBytes(std::size_t n)
-        : ptr(n ? static_cast<std::uint8_t*>(::operator new[](n, std::align_val_t(64))) : nullptr) {}
-    ~AlignedBytes() {
-      if (ptr) ::operator delete[](ptr, std::align_val_t(64));
-    }
-    std::uint8_t* data() const { return ptr; }
-  } packed(packed_row * p.plan.q_rows);  // not zeroed: every row that is read was written
+  const core::ScratchBuffer packed(packed_row * p.plan.q_rows);  // not zeroed: every row that is read was written
   std::vector<Scratch> scratch = make_scratch(threads, kernel.scratch_bytes(shape), max_attended(p));
   core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t t, int thread) {
     const RowTask& task = tasks[t];
