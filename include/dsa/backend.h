@@ -1,6 +1,7 @@
 // Backends (spec/ops.md section 3). The caller chooses; dsa never falls back.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -49,5 +50,19 @@ int default_num_threads();
 using ParallelRunner = void (*)(std::int64_t n_tasks, int num_threads,
                                 const std::function<void(std::int64_t task, int thread)>& body);
 void set_parallel_runner(ParallelRunner runner);
+
+// Large scratch buffers of the fused CPU kernels (e.g. the attention backward's
+// packed query and grad_out, about twice their size) are kept when a call
+// ends, so the next call reuses mapped memory instead of page-faulting fresh
+// memory in (a kernel-zeroed page per first touch: ~0.1 s per GiB here). At
+// most `bytes` of idle buffers are kept (default 2 GiB, or
+// DSA_WORKSPACE_CACHE_MIB); 0 turns the cache off. Lowering the limit frees
+// idle buffers over it. Buffers in use are never counted or freed.
+void set_workspace_cache_limit(std::size_t bytes);
+std::size_t workspace_cache_limit();
+// Bytes of idle buffers the cache holds now.
+std::size_t workspace_cache_bytes();
+// Frees every idle cached buffer.
+void release_workspace_cache();
 
 }  // namespace dsa

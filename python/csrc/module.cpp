@@ -54,6 +54,10 @@ void register_core(nb::module_& m) {
   });
   m.def("cpu_isa", &dsa::cpu_isa_name);
   m.def("default_num_threads", &dsa::default_num_threads);
+  m.def("set_workspace_cache_limit", [](std::size_t bytes) { dsa::set_workspace_cache_limit(bytes); });
+  m.def("workspace_cache_limit", &dsa::workspace_cache_limit);
+  m.def("workspace_cache_bytes", &dsa::workspace_cache_bytes);
+  m.def("release_workspace_cache", &dsa::release_workspace_cache);
 }
 
 }  // namespace dsa::python

@@ -6,7 +6,7 @@ import torch  # noqa: F401  (the ops register with torch.library on import)
 import os
 
 from . import _C, lengths
-from ._buffers import buffer_pool_stats, empty_buffer_pool, set_buffer_pool_limit
+from ._buffers import buffer_pool_stats, empty_buffer_pool, set_buffer_pool_limit, set_workspace_cache_limit
 from .ops import *  # noqa: F401,F403
 from .ops import __all__ as _op_names
 
@@ -26,4 +26,4 @@ def backends() -> list[dict]:
 
 
 __all__ = list(_op_names) + ["backends", "lengths", "buffer_pool_stats", "empty_buffer_pool",
-                              "set_buffer_pool_limit", "__version__"]
+                              "set_buffer_pool_limit", "set_workspace_cache_limit", "__version__"]

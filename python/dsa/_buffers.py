@@ -28,6 +28,8 @@ import threading
 
 import torch
 
+from . import _C
+
 MIN_BYTES = 1 << 20
 
 _lock = threading.Lock()
@@ -85,18 +87,34 @@ def set_buffer_pool_limit(mib: int) -> None:
 
 
 def empty_buffer_pool() -> None:
-    """Unmaps every free block (blocks still held by tensors stay)."""
+    """Unmaps every free block (blocks still held by tensors stay) and frees the
+    C++ core's idle cached workspaces (``set_workspace_cache_limit``)."""
     with _lock:
         _release_free(keep_bytes=0)
+    _C.release_workspace_cache()
+
+
+def set_workspace_cache_limit(mib: int) -> None:
+    """Caps the C++ core's cache of idle kernel workspaces (large scratch such as
+    the attention backward's packed operands, kept for the next call) at ``mib``
+    MiB; 0 turns it off. Default 2048, or ``DSA_WORKSPACE_CACHE_MIB``."""
+    if not isinstance(mib, int) or isinstance(mib, bool) or mib < 0:
+        raise ValueError(f"mib: expected an int >= 0, got {mib!r}")
+    _C.set_workspace_cache_limit(mib << 20)
 
 
 def buffer_pool_stats() -> dict:
-    """``{"limit_bytes", "pooled_bytes", "free_bytes", "blocks"}``."""
+    """``{"limit_bytes", "pooled_bytes", "free_bytes", "blocks"}`` of the output
+    pool, plus ``"workspace_limit_bytes"`` and ``"workspace_cached_bytes"`` (idle)
+    of the C++ core's workspace cache."""
     with _lock:
         free = sum(size for size, blocks in _blocks.items() for b in blocks
                    if sys.getrefcount(b) == _FREE_REFS)
-        return {"limit_bytes": _limit, "pooled_bytes": _pooled_bytes(), "free_bytes": free,
-                "blocks": sum(len(b) for b in _blocks.values())}
+        stats = {"limit_bytes": _limit, "pooled_bytes": _pooled_bytes(), "free_bytes": free,
+                 "blocks": sum(len(b) for b in _blocks.values())}
+    stats["workspace_limit_bytes"] = _C.workspace_cache_limit()
+    stats["workspace_cached_bytes"] = _C.workspace_cache_bytes()
+    return stats
 
 
 def _release_free(keep_bytes: int) -> None:

@@ -1,6 +1,11 @@
 #include "core/memory.h"
 
+#include <cstdlib>
+#include <mutex>
 #include <new>
+#include <vector>
+
+#include "dsa/backend.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -24,16 +29,141 @@ void advise_huge_pages(void* data, std::size_t bytes) {
 #endif
 }
 
-ScratchBuffer::ScratchBuffer(std::size_t bytes) : bytes_(bytes) {
+namespace {
+
+// Buffers below this size come from plain new[]: cheap to fault in, and the
+// cache is for the big ones.
+constexpr std::size_t kCacheMin = std::size_t{4} << 20;
+
+std::size_t alignment_for(std::size_t bytes) { return bytes >= 2 * kHugePage ? kHugePage : 64; }
+
+std::uint8_t* allocate(std::size_t bytes) {
+  auto* p = static_cast<std::uint8_t*>(::operator new[](bytes, std::align_val_t(alignment_for(bytes))));
+  advise_huge_pages(p, bytes);
+  return p;
+}
+
+void deallocate(std::uint8_t* p, std::size_t bytes) { ::operator delete[](p, std::align_val_t(alignment_for(bytes))); }
+
+std::size_t initial_limit() {
+  if (const char* env = std::getenv("DSA_WORKSPACE_CACHE_MIB")) {
+    char* end = nullptr;
+    const long long mib = std::strtoll(env, &end, 10);
+    if (end != env && mib >= 0) return static_cast<std::size_t>(mib) << 20;
+  }
+  return std::size_t{2} << 30;
+}
+
+// Idle buffers, oldest first. Taking one picks the smallest that fits.
+class WorkspaceCache {
+ public:
+  static WorkspaceCache& instance() {
+    static WorkspaceCache* cache = new WorkspaceCache();  // never destroyed: used until exit
+    return *cache;
+  }
+
+  // A cached buffer of at least `bytes` (its capacity in *capacity), or null.
+  std::uint8_t* take(std::size_t bytes, std::size_t* capacity) {
+    std::lock_guard<std::mutex> lk(mutex_);
+    auto best = idle_.end();
+    for (auto it = idle_.begin(); it != idle_.end(); ++it)
+      if (it->bytes >= bytes && (best == idle_.end() || it->bytes < best->bytes)) best = it;
+    if (best == idle_.end()) return nullptr;
+    std::uint8_t* p = best->data;
+    *capacity = best->bytes;
+    held_ -= best->bytes;
+    idle_.erase(best);
+    return p;
+  }
+
+  void give(std::uint8_t* p, std::size_t bytes) {
+    std::vector<Block> evicted;
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      if (bytes > limit_) {
+        evicted.push_back({p, bytes});
+      } else {
+        idle_.push_back({p, bytes});
+        held_ += bytes;
+        trim(limit_, evicted);
+      }
+    }
+    for (const Block& b : evicted) deallocate(b.data, b.bytes);  // outside the lock
+  }
+
+  void set_limit(std::size_t bytes) {
+    std::vector<Block> evicted;
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      limit_ = bytes;
+      trim(limit_, evicted);
+    }
+    for (const Block& b : evicted) deallocate(b.data, b.bytes);
+  }
+
+  void release() {
+    std::vector<Block> evicted;
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      trim(0, evicted);
+    }
+    for (const Block& b : evicted) deallocate(b.data, b.bytes);
+  }
+
+  std::size_t limit() {
+    std::lock_guard<std::mutex> lk(mutex_);
+    return limit_;
+  }
+  std::size_t held() {
+    std::lock_guard<std::mutex> lk(mutex_);
+    return held_;
+  }
+
+ private:
+  struct Block {
+    std::uint8_t* data;
+    std::size_t bytes;
+  };
+
+  // Drops the oldest idle buffers until at most `keep` bytes are held.
+  void trim(std::size_t keep, std::vector<Block>& evicted) {
+    while (held_ > keep && !idle_.empty()) {
+      evicted.push_back(idle_.front());
+      held_ -= idle_.front().bytes;
+      idle_.erase(idle_.begin());
+    }
+  }
+
+  std::mutex mutex_;
+  std::vector<Block> idle_;
+  std::size_t held_ = 0;
+  std::size_t limit_ = initial_limit();
+};
+
+}  // namespace
+
+ScratchBuffer::ScratchBuffer(std::size_t bytes) : capacity_(bytes) {
   if (bytes == 0) return;
-  // Large buffers start on a huge-page boundary, so all of them can be huge pages.
-  const std::size_t align = bytes >= 2 * kHugePage ? kHugePage : 64;
-  data_ = static_cast<std::uint8_t*>(::operator new[](bytes, std::align_val_t(align)));
-  advise_huge_pages(data_, bytes);
+  if (bytes >= kCacheMin) data_ = WorkspaceCache::instance().take(bytes, &capacity_);
+  if (!data_) {
+    capacity_ = bytes;
+    data_ = allocate(bytes);
+  }
 }
 
 ScratchBuffer::~ScratchBuffer() {
-  if (data_) ::operator delete[](data_, std::align_val_t(bytes_ >= 2 * kHugePage ? kHugePage : 64));
+  if (!data_) return;
+  if (capacity_ >= kCacheMin) WorkspaceCache::instance().give(data_, capacity_);
+  else deallocate(data_, capacity_);
 }
 
 }  // namespace dsa::core
+
+namespace dsa {
+
+void set_workspace_cache_limit(std::size_t bytes) { core::WorkspaceCache::instance().set_limit(bytes); }
+std::size_t workspace_cache_limit() { return core::WorkspaceCache::instance().limit(); }
+std::size_t workspace_cache_bytes() { return core::WorkspaceCache::instance().held(); }
+void release_workspace_cache() { core::WorkspaceCache::instance().release(); }
+
+}  // namespace dsa

@@ -17,7 +17,8 @@ namespace dsa::core {
 void advise_huge_pages(void* data, std::size_t bytes);
 
 // An uninitialised, 64-byte-aligned scratch buffer of `bytes` bytes (none for
-// 0), with the huge-page hint when it is large.
+// 0), with the huge-page hint when it is large. Large ones come from and go
+// back to the workspace cache (dsa/backend.h: set_workspace_cache_limit).
 class ScratchBuffer {
  public:
   explicit ScratchBuffer(std::size_t bytes);
@@ -28,7 +29,7 @@ class ScratchBuffer {
 
  private:
   std::uint8_t* data_ = nullptr;
-  std::size_t bytes_ = 0;
+  std::size_t capacity_ = 0;  // what data_ was allocated with (>= the request)
 };
 
 }  // namespace dsa::core

@@ -1,4 +1,5 @@
-// Core services: the thread pool, backend resolution, contiguous views.
+// Core services: the thread pool, backend resolution, contiguous views, the
+// workspace cache.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -6,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/memory.h"
 #include "core/sequences.h"
 #include "core/thread_pool.h"
 #include "dsa/backend.h"
@@ -155,6 +157,44 @@ TEST(TensorViews, MakeViewIsContiguousAndChecksItsShape) {
       EXPECT_NE(std::string(e.what()).find("shape"), std::string::npos) << e.what();
     }
   }
+}
+
+TEST(WorkspaceCache, ReusesIdleBuffersWithinItsLimit) {
+  const std::size_t old_limit = dsa::workspace_cache_limit();
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  dsa::release_workspace_cache();
+  dsa::set_workspace_cache_limit(64 * kMiB);
+  std::uint8_t* first = nullptr;
+  {
+    dsa::core::ScratchBuffer a(16 * kMiB);
+    first = a.data();
+    ASSERT_NE(first, nullptr);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(first) % 64, 0u);
+    a.data()[16 * kMiB - 1] = 1;  // the whole request is usable
+    EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);  // in use: not counted
+  }
+  EXPECT_EQ(dsa::workspace_cache_bytes(), 16 * kMiB);
+  {
+    dsa::core::ScratchBuffer b(12 * kMiB);  // fits in the idle one: reused
+    EXPECT_EQ(b.data(), first);
+    dsa::core::ScratchBuffer c(12 * kMiB);  // the idle one is taken: a new one
+    EXPECT_NE(c.data(), first);
+    EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);
+  }
+  EXPECT_EQ(dsa::workspace_cache_bytes(), 16 * kMiB + 12 * kMiB);
+  { dsa::core::ScratchBuffer big(80 * kMiB); }  // over the limit: freed, not kept
+  EXPECT_EQ(dsa::workspace_cache_bytes(), 16 * kMiB + 12 * kMiB);
+  // c went back first (destroyed before b), so it is the oldest idle buffer and goes first.
+  dsa::set_workspace_cache_limit(20 * kMiB);
+  EXPECT_EQ(dsa::workspace_cache_bytes(), 16 * kMiB);
+  dsa::release_workspace_cache();
+  EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);
+  dsa::set_workspace_cache_limit(0);
+  { dsa::core::ScratchBuffer off(8 * kMiB); }
+  EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);
+  { dsa::core::ScratchBuffer small(1024); }  // small buffers never go through the cache
+  EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);
+  dsa::set_workspace_cache_limit(old_limit);
 }
 
 }  // namespace

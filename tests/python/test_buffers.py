@@ -96,3 +96,40 @@ def test_gradient_accumulation_into_pooled_grad(pool):
     out, _ = dsa_compressor(kv, gate, bias, ratio=4, backend="cpu")
     out.float().sum().backward()  # accumulates into the pooled .grad
     assert torch.equal(kv.grad, (once.float() * 2).bfloat16())
+
+
+def _attention_grads(query, kv, grad):
+    query, kv = (t.detach().clone().requires_grad_(True) for t in (query, kv))
+    out, _, _ = dsa.dsa_sparse_attention(query, kv, scale=0.1, window=64, backend="cpu")
+    return (out,) + torch.autograd.grad(out, (query, kv), grad)
+
+
+def test_workspace_cache_reuse_gives_the_same_bits(pool):
+    # The attention backward's packed operands (AMX: about 2 x (query + grad_out),
+    # here 8 MiB) go back to the C++ core's workspace cache and are reused,
+    # uninitialised, by the next call: the results must not change.
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(512, 16, 128, generator=g).bfloat16()
+    kv = torch.randn(512, 128, generator=g).bfloat16()
+    grad = torch.randn(512, 16, 128, generator=g).bfloat16()
+    assert dsa.buffer_pool_stats()["workspace_cached_bytes"] == 0  # emptied by the fixture
+    fresh = _attention_grads(query, kv, grad)
+    cached = dsa.buffer_pool_stats()["workspace_cached_bytes"]
+    if dsa._C.cpu_isa() == "amx":  # only the tile kernels pack operands for phase 2
+        assert cached >= 8 * MIB
+    again = _attention_grads(query, kv, grad)
+    for a, b in zip(fresh, again):
+        assert torch.equal(a, b)
+    dsa.empty_buffer_pool()
+    assert dsa.buffer_pool_stats()["workspace_cached_bytes"] == 0
+    saved = dsa._C.workspace_cache_limit()
+    dsa.set_workspace_cache_limit(0)
+    try:
+        off = _attention_grads(query, kv, grad)
+        assert dsa.buffer_pool_stats()["workspace_cached_bytes"] == 0
+    finally:
+        dsa._C.set_workspace_cache_limit(saved)
+    for a, b in zip(fresh, off):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="mib"):
+        dsa.set_workspace_cache_limit(-1)

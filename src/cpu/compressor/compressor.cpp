@@ -12,7 +12,6 @@
 #include <algorithm>
 #include <cstring>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 #include "core/cpu_features.h"
@@ -202,14 +201,15 @@ void compressor_bwd(const CompressorProblem& p) {
     return;
   }
   // Each task zeroes its own group's partial: no up-front fill.
-  const std::unique_ptr<float[]> partials(new float[static_cast<std::size_t>(t.groups * m * C)]);
+  const core::ScratchBuffer partial_bytes(static_cast<std::size_t>(t.groups * m * C) * sizeof(float));
+  float* const partials = reinterpret_cast<float*>(partial_bytes.data());
   const bool stream = p.rows * C * static_cast<std::int64_t>(es) >= kStreamBytes;
   ThreadScratch scratch(p);
 
   core::parallel_for(t.groups, p.num_threads, [&](std::int64_t group, int thread) {
     const std::int64_t first = group * t.group_size;
     const std::int64_t last = std::min<std::int64_t>(first + t.group_size, t.entries.size());
-    float* partial = partials.get() + group * m * C;
+    float* partial = partials + group * m * C;
     std::fill_n(partial, m * C, 0.0f);
     SlotRef* slots = scratch.slots[thread].data();
     for (std::int64_t i = first; i < last; ++i) {
@@ -244,7 +244,7 @@ void compressor_bwd(const CompressorProblem& p) {
     float* out = p.grad_position_bias + j * C;
     std::fill_n(out, C, 0.0f);
     for (std::int64_t g = 0; g < t.groups; ++g) {
-      const float* src = partials.get() + (g * m + j) * C;
+      const float* src = partials + (g * m + j) * C;
       for (std::int64_t col = 0; col < C; ++col) out[col] += src[col];
     }
   });
