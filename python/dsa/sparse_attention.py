@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from . import _C
+from . import _C, _buffers
 from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 
@@ -28,7 +28,8 @@ def _fwd_op(query: torch.Tensor, kv: torch.Tensor, indices: Optional[torch.Tenso
             cmp_ratio: int, layout: str, backend: str
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lead = query.shape[:-1]
-    out = query.new_empty(*lead, _value_dims(kv, d_v))
+    # Large and written in full every call: from the buffer pool (see _buffers).
+    out = _buffers.empty((*lead, _value_dims(kv, d_v)), query.dtype, query.device)
     softmax_max = query.new_empty(lead, dtype=torch.float32)
     softmax_sum = query.new_empty(lead, dtype=torch.float32)
     _C.sparse_attention_fwd(
@@ -64,9 +65,10 @@ def _bwd_op(grad_out: torch.Tensor, out: torch.Tensor, softmax_max: torch.Tensor
                        torch.Tensor]:
     """Returns (d_query, d_kv, d_cmp_kv, d_sinks, d_query_rope, d_key_rope); absent inputs
     get empty tensors (custom ops cannot return None)."""
-    d_query = torch.empty_like(query, memory_format=torch.contiguous_format)
-    d_kv = torch.empty_like(kv, memory_format=torch.contiguous_format)
-    d_cmp = torch.empty_like(cmp_kv, memory_format=torch.contiguous_format) if cmp_kv is not None else None
+    # The large gradients come from the buffer pool (see _buffers).
+    d_query = _buffers.empty(query.shape, query.dtype, query.device)
+    d_kv = _buffers.empty(kv.shape, kv.dtype, kv.device)
+    d_cmp = _buffers.empty(cmp_kv.shape, cmp_kv.dtype, cmp_kv.device) if cmp_kv is not None else None
     d_sinks = torch.empty_like(sinks, memory_format=torch.contiguous_format) if sinks is not None else None
     d_qr = torch.empty_like(query_rope, memory_format=torch.contiguous_format) if query_rope is not None else None
     d_kr = torch.empty_like(key_rope, memory_format=torch.contiguous_format) if key_rope is not None else None

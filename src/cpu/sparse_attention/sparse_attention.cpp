@@ -252,6 +252,7 @@ void sparse_attention_fwd(const SparseAttentionProblem& p) {
   const Shape shape = shape_of(p);
   const std::int64_t H = p.heads;
   const std::size_t out_row_bytes = static_cast<std::size_t>(H * p.d_v) * dtype_size(p.dtype);
+  core::advise_huge_pages(p.out, out_row_bytes * static_cast<std::size_t>(p.plan.q_rows));  // written in full
   for (std::int64_t row : core::padding_rows(p.plan)) {
     std::memset(static_cast<char*>(p.out) + row * out_row_bytes, 0, out_row_bytes);
     std::fill(p.softmax_max + row * H, p.softmax_max + (row + 1) * H, core::kNegInf);
