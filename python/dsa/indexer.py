@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from . import _C
+from . import _C, _buffers
 from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 
@@ -16,8 +16,9 @@ def _indexer_op(index_query: torch.Tensor, index_key: torch.Tensor, weights: tor
                 key_lengths: Optional[torch.Tensor], layout: str, with_scores: bool,
                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     lead = index_query.shape[:-2]
-    indices = torch.empty(*lead, topk, dtype=torch.int32, device=index_query.device)
-    scores = (torch.empty(*lead, topk, dtype=torch.float32, device=index_query.device)
+    # Large and written in full every call: from the buffer pool (see _buffers).
+    indices = _buffers.empty((*lead, topk), torch.int32, index_query.device)
+    scores = (_buffers.empty((*lead, topk), torch.float32, index_query.device)
               if with_scores else torch.empty(0, dtype=torch.float32, device=index_query.device))
     _C.indexer_topk(index_query, index_key, weights, indices, scores if with_scores else None,
                     topk, scale, cmp_ratio, to_cu_seqlens(query_lengths, layout),
