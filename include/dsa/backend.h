@@ -55,8 +55,8 @@ void set_parallel_runner(ParallelRunner runner);
 // packed query and grad_out, about twice their size) are kept when a call
 // ends, so the next call reuses mapped memory instead of page-faulting fresh
 // memory in (a kernel-zeroed page per first touch: ~0.1 s per GiB here). At
-// most `bytes` of idle buffers are kept (default 2 GiB, or
-// DSA_WORKSPACE_CACHE_MIB); 0 turns the cache off. Lowering the limit frees
+// most `bytes` of idle buffers are kept (default: DSA_WORKSPACE_CACHE_MIB, else
+// an eighth of the physical memory); 0 turns the cache off. Lowering the limit frees
 // idle buffers over it. Buffers in use are never counted or freed.
 void set_workspace_cache_limit(std::size_t bytes);
 std::size_t workspace_cache_limit();

@@ -97,7 +97,8 @@ def empty_buffer_pool() -> None:
 def set_workspace_cache_limit(mib: int) -> None:
     """Caps the C++ core's cache of idle kernel workspaces (large scratch such as
     the attention backward's packed operands, kept for the next call) at ``mib``
-    MiB; 0 turns it off. Default 2048, or ``DSA_WORKSPACE_CACHE_MIB``."""
+    MiB; 0 turns it off. Default ``DSA_WORKSPACE_CACHE_MIB``, else an eighth of
+    the physical memory."""
     if not isinstance(mib, int) or isinstance(mib, bool) or mib < 0:
         raise ValueError(f"mib: expected an int >= 0, got {mib!r}")
     _C.set_workspace_cache_limit(mib << 20)
