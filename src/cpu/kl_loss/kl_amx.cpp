@@ -32,6 +32,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/memory.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/kl_loss/kl_amx.h"
@@ -360,9 +361,14 @@ void amx_sparse_bwd(const SparseKlBackwardProblem& p) {
 
   const int64_t n_blocks = (static_cast<int64_t>(rows.size()) + kBwdRows - 1) / kBwdRows;
   const int threads = thread_count(n_blocks, p.num_threads);
-  // dK in fp32 and one partial per concurrently running row block.
-  std::vector<float> dk(p.key_rows * idim, 0.0f);
-  std::vector<std::vector<float>> partial(threads, std::vector<float>(p.key_rows * idim, 0.0f));
+  // dK in fp32 and one partial per concurrently running row block, all zeroed
+  // here (the partials are cleared again as they are added). Workspace-cached:
+  // at long contexts they are (threads + 1) x key rows x Di x 4 bytes.
+  const std::size_t key_floats = static_cast<std::size_t>(p.key_rows * idim);
+  const core::ScratchBuffer accumulators((threads + 1) * key_floats * sizeof(float));
+  float* const dk = reinterpret_cast<float*>(accumulators.data());
+  std::memset(dk, 0, (threads + 1) * key_floats * sizeof(float));
+  auto partial_of = [&](int slot) { return dk + (slot + 1) * key_floats; };
   std::vector<int64_t> lo(threads), hi(threads);
 
   struct Scratch {
@@ -390,7 +396,7 @@ void amx_sparse_bwd(const SparseKlBackwardProblem& p) {
 
   auto run_block = [&](int64_t block, int slot, Scratch& s) {
     configure_tiles();
-    float* part = partial[slot].data();
+    float* part = partial_of(slot);
     int64_t key_lo = p.key_rows, key_hi = 0;
     auto* ib = align64<std::uint32_t>(s.ib);
     auto* ih = align64<std::uint32_t>(s.ih);
@@ -528,8 +534,8 @@ void amx_sparse_bwd(const SparseKlBackwardProblem& p) {
       for (int64_t k = 0; k < wave; ++k) {
         const int64_t a = std::max(k0, lo[k]), b = std::min(k1, hi[k]);
         if (a >= b) continue;
-        float* src = partial[k].data() + a * idim;
-        float* dst = dk.data() + a * idim;
+        float* src = partial_of(static_cast<int>(k)) + a * idim;
+        float* dst = dk + a * idim;
         for (int64_t x = 0; x < (b - a) * idim; ++x) {
           dst[x] += src[x];
           src[x] = 0.0f;
