@@ -62,7 +62,9 @@ std::size_t initial_limit() {
   return std::size_t{2} << 30;
 }
 
-// Idle buffers, oldest first. Taking one picks the smallest that fits.
+// Idle buffers, oldest first. Taking one picks the smallest that fits and is
+// at most twice the request: a small call must not hold a large buffer that a
+// large call running beside it would then allocate a second time.
 class WorkspaceCache {
  public:
   static WorkspaceCache& instance() {
@@ -75,7 +77,8 @@ class WorkspaceCache {
     std::lock_guard<std::mutex> lk(mutex_);
     auto best = idle_.end();
     for (auto it = idle_.begin(); it != idle_.end(); ++it)
-      if (it->bytes >= bytes && (best == idle_.end() || it->bytes < best->bytes)) best = it;
+      if (it->bytes >= bytes && it->bytes / 2 <= bytes && (best == idle_.end() || it->bytes < best->bytes))
+        best = it;
     if (best == idle_.end()) return nullptr;
     std::uint8_t* p = best->data;
     *capacity = best->bytes;

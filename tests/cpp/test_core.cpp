@@ -175,6 +175,16 @@ TEST(WorkspaceCache, ReusesIdleBuffersWithinItsLimit) {
   }
   EXPECT_EQ(dsa::workspace_cache_bytes(), 16 * kMiB);
   {
+    dsa::core::ScratchBuffer small(6 * kMiB);  // under half the idle one: a buffer of its own
+    EXPECT_NE(small.data(), first);
+    EXPECT_EQ(dsa::workspace_cache_bytes(), 16 * kMiB);
+  }
+  dsa::release_workspace_cache();  // drops the 6 MiB one; the 16 MiB one comes back below
+  {
+    dsa::core::ScratchBuffer again(16 * kMiB);
+    first = again.data();
+  }
+  {
     dsa::core::ScratchBuffer b(12 * kMiB);  // fits in the idle one: reused
     EXPECT_EQ(b.data(), first);
     dsa::core::ScratchBuffer c(12 * kMiB);  // the idle one is taken: a new one
