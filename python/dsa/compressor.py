@@ -7,7 +7,8 @@ import torch
 
 from . import _C, _buffers
 from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
-from .lengths import Lengths, as_length_tensor, to_cu_seqlens
+from .lengths import (Lengths, as_length_tensor, ends_from_lengths, lengths_from_cu_seqlens, lengths_from_ends,
+                      to_cu_seqlens)
 
 
 def _compressed_shape(kv: torch.Tensor, ratio: int, overlap: bool, compressed_rows, layout: str):
@@ -19,8 +20,9 @@ def _stats_shape(compressed_shape: tuple, save: bool):
     return compressed_shape[:-1] + (3, compressed_shape[-1]) if save else (0,)
 
 
-def _entries(cu_seqlens: list[int], ratio: int) -> int:
-    return sum(max(b - a, 0) // ratio for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]))
+def _entry_counts(raw_lengths: list[int], ratio: int) -> list[int]:
+    """Entries per sequence: L // ratio (a negative length is the kernel's to report)."""
+    return [max(n, 0) // ratio for n in raw_lengths]
 
 
 # The compressed length of TND depends on the length values. With lengths the
@@ -38,7 +40,7 @@ def _compressor_op(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Te
     cu_seqlens = to_cu_seqlens(query_lengths, layout)
     if compressed_rows < 0 and layout == "TND":
         # Bad lengths are the kernel's to report; any row count lets it run.
-        compressed_rows = _entries(cu_seqlens, max(ratio, 1)) if cu_seqlens else kv.shape[0] // max(ratio, 1)
+        compressed_rows = sum(_entry_counts(lengths_from_cu_seqlens(cu_seqlens or [0, kv.shape[0]]), max(ratio, 1)))
     shape = _compressed_shape(kv, ratio, overlap, compressed_rows, layout)
     out = _buffers.empty(shape, kv.dtype, kv.device)
     stats = _buffers.empty(_stats_shape(shape, save_stats), torch.float32, kv.device)
@@ -117,15 +119,9 @@ def _compressed_lengths(query_lengths: Lengths, lengths_tensor: Optional[torch.T
         raw = [kv.shape[0]] if layout == "TND" else [kv.shape[1]] * kv.shape[0]
     else:
         items = [int(v) for v in query_lengths]
-        raw = items if layout == "BSND" else [b - a for a, b in zip([0] + items[:-1], items)]
-    counts = [max(n, 0) // ratio for n in raw]
-    if layout == "BSND":
-        return counts, sum(counts)
-    ends, total = [], 0
-    for n in counts:
-        total += n
-        ends.append(total)
-    return ends, total
+        raw = items if layout == "BSND" else lengths_from_ends(items)
+    counts = _entry_counts(raw, ratio)
+    return (counts if layout == "BSND" else ends_from_lengths(counts)), sum(counts)
 
 
 def dsa_compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, *, ratio: int,

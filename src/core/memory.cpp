@@ -87,38 +87,23 @@ class WorkspaceCache {
     return p;
   }
 
+  // A buffer over the limit goes in as the oldest idle one, so it is the
+  // first (and only) one the trim frees.
   void give(std::uint8_t* p, std::size_t bytes) {
-    std::vector<Block> evicted;
-    {
-      std::lock_guard<std::mutex> lk(mutex_);
-      if (bytes > limit_) {
-        evicted.push_back({p, bytes});
-      } else {
-        idle_.push_back({p, bytes});
-        held_ += bytes;
-        trim(limit_, evicted);
-      }
-    }
-    for (const Block& b : evicted) deallocate(b.data, b.bytes);  // outside the lock
+    update([&] {
+      if (bytes > limit_) idle_.insert(idle_.begin(), {p, bytes});
+      else idle_.push_back({p, bytes});
+      held_ += bytes;
+      return limit_;
+    });
   }
 
   void set_limit(std::size_t bytes) {
-    std::vector<Block> evicted;
-    {
-      std::lock_guard<std::mutex> lk(mutex_);
-      limit_ = bytes;
-      trim(limit_, evicted);
-    }
-    for (const Block& b : evicted) deallocate(b.data, b.bytes);
+    update([&] { return limit_ = bytes; });
   }
 
   void release() {
-    std::vector<Block> evicted;
-    {
-      std::lock_guard<std::mutex> lk(mutex_);
-      trim(0, evicted);
-    }
-    for (const Block& b : evicted) deallocate(b.data, b.bytes);
+    update([] { return std::size_t{0}; });
   }
 
   std::size_t limit() {
@@ -136,13 +121,21 @@ class WorkspaceCache {
     std::size_t bytes;
   };
 
-  // Drops the oldest idle buffers until at most `keep` bytes are held.
-  void trim(std::size_t keep, std::vector<Block>& evicted) {
-    while (held_ > keep && !idle_.empty()) {
-      evicted.push_back(idle_.front());
-      held_ -= idle_.front().bytes;
-      idle_.erase(idle_.begin());
+  // Applies `change` under the lock; it returns how many idle bytes may stay.
+  // The oldest idle buffers over that are freed after the lock is released.
+  template <class Change>
+  void update(Change change) {
+    std::vector<Block> evicted;
+    {
+      std::lock_guard<std::mutex> lk(mutex_);
+      const std::size_t keep = change();
+      while (held_ > keep && !idle_.empty()) {
+        evicted.push_back(idle_.front());
+        held_ -= idle_.front().bytes;
+        idle_.erase(idle_.begin());
+      }
     }
+    for (const Block& b : evicted) deallocate(b.data, b.bytes);
   }
 
   std::mutex mutex_;
@@ -156,10 +149,7 @@ class WorkspaceCache {
 ScratchBuffer::ScratchBuffer(std::size_t bytes) : capacity_(bytes) {
   if (bytes == 0) return;
   if (bytes >= kCacheMin) data_ = WorkspaceCache::instance().take(bytes, &capacity_);
-  if (!data_) {
-    capacity_ = bytes;
-    data_ = allocate(bytes);
-  }
+  if (!data_) data_ = allocate(bytes);  // capacity_ is still `bytes`: take() sets it only on success
 }
 
 ScratchBuffer::~ScratchBuffer() {

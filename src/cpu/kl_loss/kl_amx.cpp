@@ -365,9 +365,10 @@ void amx_sparse_bwd(const SparseKlBackwardProblem& p) {
   // here (the partials are cleared again as they are added). Workspace-cached:
   // at long contexts they are (threads + 1) x key rows x Di x 4 bytes.
   const std::size_t key_floats = static_cast<std::size_t>(p.key_rows * idim);
-  const core::ScratchBuffer accumulators((threads + 1) * key_floats * sizeof(float));
+  const std::size_t accumulator_bytes = (threads + 1) * key_floats * sizeof(float);
+  const core::ScratchBuffer accumulators(accumulator_bytes);
   float* const dk = reinterpret_cast<float*>(accumulators.data());
-  std::memset(dk, 0, (threads + 1) * key_floats * sizeof(float));
+  std::memset(dk, 0, accumulator_bytes);
   auto partial_of = [&](int slot) { return dk + (slot + 1) * key_floats; };
   std::vector<int64_t> lo(threads), hi(threads);
 
