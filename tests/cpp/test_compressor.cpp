@@ -25,11 +25,12 @@ struct Buffer {
   std::size_t n;
   std::vector<std::uint16_t> half;
   std::vector<float> full;
-  std::size_t offset = 0;  // elements before the aligned start
-  Buffer(DType d, std::size_t count) : dtype(d), n(count) {
-    if (d == DType::f32) full.assign(n + 16, 0.0f); else half.assign(n + 32, 0);
+  std::size_t offset = 0;  // elements before the data start
+  // shift: elements between the 64-byte boundary and the data start (0: aligned).
+  Buffer(DType d, std::size_t count, std::size_t shift = 0) : dtype(d), n(count) {
+    if (d == DType::f32) full.assign(n + 16 + shift, 0.0f); else half.assign(n + 32 + shift, 0);
     const auto address = reinterpret_cast<std::uintptr_t>(d == DType::f32 ? static_cast<void*>(full.data()) : half.data());
-    offset = ((64 - address % 64) % 64) / (d == DType::f32 ? 4 : 2);
+    offset = ((64 - address % 64) % 64) / (d == DType::f32 ? 4 : 2) + shift;
   }
   void* data() { return dtype == DType::f32 ? static_cast<void*>(full.data() + offset) : half.data() + offset; }
   const void* data() const { return const_cast<Buffer*>(this)->data(); }
@@ -54,6 +55,7 @@ struct Case {
   std::vector<std::int64_t> lengths;  // per sequence (TND) / per row (BSND)
   std::int64_t batch = 1, rows = 0;   // BSND: B, Sk
   DType dtype = DType::f32;
+  std::size_t shift = 0;  // every tensor starts this many elements past a 64-byte boundary
 };
 
 struct Outputs {
@@ -73,7 +75,7 @@ struct Problem {
       : k(cs), C((cs.overlap ? 2 : 1) * cs.c),
         S(cs.layout == dsa::Layout::TND ? total(cs.lengths) : cs.batch * cs.rows),
         out_rows(cs.layout == dsa::Layout::TND ? compressed_total(cs) : cs.batch * (cs.rows / cs.ratio)),
-        kv(cs.dtype, S * C), gate(cs.dtype, S * C), grad_out(cs.dtype, out_rows * cs.c),
+        kv(cs.dtype, S * C, cs.shift), gate(cs.dtype, S * C, cs.shift), grad_out(cs.dtype, out_rows * cs.c, cs.shift),
         bias(cs.ratio * C) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> n(0.0f, 1.0f);
@@ -105,7 +107,7 @@ struct Problem {
   // with_stats: the forward saves the softmax statistics and the backward
   // starts from them.
   Outputs run(dsa::Backend backend, int threads = 0, bool with_stats = false) {
-    Outputs r{Buffer(k.dtype, out_rows * k.c), Buffer(k.dtype, S * C), Buffer(k.dtype, S * C),
+    Outputs r{Buffer(k.dtype, out_rows * k.c, k.shift), Buffer(k.dtype, S * C, k.shift), Buffer(k.dtype, S * C, k.shift),
           std::vector<float>(bias.size(), 123.0f), {}};
     for (std::size_t i = 0; i < r.compressed.size(); ++i) r.compressed.set(i, 99.0f);  // must be overwritten
     for (std::size_t i = 0; i < r.grad_kv.size(); ++i) { r.grad_kv.set(i, 99.0f); r.grad_gate.set(i, 99.0f); }
@@ -232,6 +234,31 @@ TEST_P(CompressorIsa, StreamedGradients) {
     cs.ratio = 16;
     cs.c = 1024;
     expect_matches_reference(cs);
+  }
+}
+
+// Tensors need only their element alignment: every input and output one
+// element past a 64-byte boundary takes the unaligned heads and tails of the
+// vector loops and no streamed store, in every dtype, with and without overlap,
+// and gives the same bits as aligned tensors.
+TEST_P(CompressorIsa, UnalignedTensors) {
+  for (DType d : {DType::bf16, DType::f16, DType::f32}) {
+    Case cs;
+    cs.dtype = d;
+    cs.c = 512;
+    cs.lengths = {2100, 37};
+    for (bool overlap : {true, false}) {
+      cs.overlap = overlap;
+      cs.ratio = overlap ? 4 : 16;
+      Case shifted = cs;
+      shifted.shift = 1;
+      expect_matches_reference(shifted);
+      const Outputs aligned = Problem(cs).run(dsa::Backend::cpu), unaligned = Problem(shifted).run(dsa::Backend::cpu);
+      EXPECT_EQ(aligned.compressed.bits(), unaligned.compressed.bits());
+      EXPECT_EQ(aligned.grad_kv.bits(), unaligned.grad_kv.bits());
+      EXPECT_EQ(aligned.grad_gate.bits(), unaligned.grad_gate.bits());
+      EXPECT_EQ(aligned.grad_bias, unaligned.grad_bias);
+    }
   }
 }
 
