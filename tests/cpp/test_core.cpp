@@ -179,7 +179,7 @@ TEST(WorkspaceCache, ReusesIdleBuffersWithinItsLimit) {
     EXPECT_NE(small.data(), first);
     EXPECT_EQ(dsa::workspace_cache_bytes(), 16 * kMiB);
   }
-  dsa::release_workspace_cache();  // drops the 6 MiB one; the 16 MiB one comes back below
+  dsa::release_workspace_cache();  // frees both idle buffers: a fresh 16 MiB one is the idle one below
   {
     dsa::core::ScratchBuffer again(16 * kMiB);
     first = again.data();
