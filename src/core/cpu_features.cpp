@@ -60,7 +60,7 @@ CpuFeatures detect() {
 
 Isa best_isa(const CpuFeatures& f) {
   if (f.amx_permitted && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq && f.avx512bf16) return Isa::amx;
-  if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) return Isa::avx512;
+  if (f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) return f.avx512bf16 ? Isa::avx512_bf16 : Isa::avx512;
   if (f.avx2 && f.fma && f.f16c) return Isa::avx2;
   return Isa::portable;
 }
@@ -73,6 +73,7 @@ Isa choose_isa() {
     if (want == "portable") cap = Isa::portable;
     else if (want == "avx2") cap = Isa::avx2;
     else if (want == "avx512") cap = Isa::avx512;
+    else if (want == "avx512_bf16") cap = Isa::avx512_bf16;
     else if (want == "amx") cap = Isa::amx;
     if (cap < isa) isa = cap;  // DSA_ISA only lowers: it never enables what the CPU lacks
   }
@@ -105,6 +106,7 @@ void limit_isa_for_testing(Isa isa) { isa_limit().store(static_cast<int>(isa)); 
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::amx: return "amx";
+    case Isa::avx512_bf16: return "avx512_bf16";
     case Isa::avx512: return "avx512";
     case Isa::avx2: return "avx2";
     case Isa::portable: return "portable";

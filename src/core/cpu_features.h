@@ -3,7 +3,9 @@
 
 namespace dsa::core {
 
-enum class Isa : int { portable = 0, avx2 = 1, avx512 = 2, amx = 3 };
+// Ordered: each level has everything below it. avx512_bf16 adds vdpbf16ps
+// (Zen 4/5, Cooper Lake, and every AMX CPU).
+enum class Isa : int { portable = 0, avx2 = 1, avx512 = 2, avx512_bf16 = 3, amx = 4 };
 
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
@@ -16,7 +18,7 @@ struct CpuFeatures {
 const CpuFeatures& cpu_features();
 
 // The best ISA this machine and build support, lowered by DSA_ISA
-// (amx | avx512 | avx2 | portable) when set; logged once under DSA_LOG=debug.
+// (amx | avx512_bf16 | avx512 | avx2 | portable) when set; logged once under DSA_LOG=debug.
 Isa cpu_isa();
 const char* isa_name(Isa isa);
 

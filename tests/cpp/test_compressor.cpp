@@ -262,7 +262,8 @@ TEST_P(CompressorIsa, StreamedGradientsAndUnalignedTensors) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, CompressorIsa,
-                         ::testing::Values(dsa::core::Isa::portable, dsa::core::Isa::avx512, dsa::core::Isa::amx),
+                         ::testing::Values(dsa::core::Isa::portable, dsa::core::Isa::avx512, dsa::core::Isa::avx512_bf16,
+                                           dsa::core::Isa::amx),
                          [](const auto& info) { return std::string(dsa::core::isa_name(info.param)); });
 
 TEST(Compressor, DeterministicAcrossThreadCounts) {

@@ -266,7 +266,7 @@ std::vector<Isa> isa_paths() {
   dsa::core::limit_isa_for_testing(Isa::amx);
   const Isa best = dsa::core::cpu_isa();
   std::vector<Isa> out;
-  for (Isa isa : {Isa::portable, Isa::avx2, Isa::avx512, Isa::amx})
+  for (Isa isa : {Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx})
     if (static_cast<int>(isa) <= static_cast<int>(best)) out.push_back(isa);
   return out;
 }

@@ -381,7 +381,8 @@ TEST(KlLossTiles, DenseBf16DeterministicAcrossThreads) {
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, KlIsa,
-                         ::testing::Values(core::Isa::portable, core::Isa::avx2, core::Isa::avx512, core::Isa::amx),
+                         ::testing::Values(core::Isa::portable, core::Isa::avx2, core::Isa::avx512, core::Isa::avx512_bf16,
+                                           core::Isa::amx),
                          [](const auto& info) { return std::string(core::isa_name(info.param)); });
 
 TEST(KlLoss, BadInputsRejectedWithoutWriting) {

@@ -380,7 +380,9 @@ TEST_P(SparseAttentionModes, BsndWindowCompressed) {
 INSTANTIATE_TEST_SUITE_P(
     DtypesAndIsas, SparseAttentionModes,
     ::testing::Combine(::testing::Values(DType::f32, DType::bf16, DType::f16),
-                       ::testing::Values(static_cast<int>(core::Isa::portable), static_cast<int>(core::Isa::avx512),
+                       ::testing::Values(static_cast<int>(core::Isa::portable), static_cast<int>(core::Isa::avx2),
+                                         static_cast<int>(core::Isa::avx512),
+                                         static_cast<int>(core::Isa::avx512_bf16),
                                          static_cast<int>(core::Isa::amx))));
 
 TEST(SparseAttention, SinkExtremes) {

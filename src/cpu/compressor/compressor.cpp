@@ -38,7 +38,7 @@ constexpr std::int64_t kStreamBytes = std::int64_t{4} << 20;
 const PoolKernel& pick_kernel() {
   switch (core::cpu_isa()) {
     case core::Isa::amx:
-      return core::cpu_features().avx512bf16 ? avx512_bf16_kernel() : avx512_kernel();
+    case core::Isa::avx512_bf16: return avx512_bf16_kernel();
     case core::Isa::avx512: return avx512_kernel();
     default: return portable_kernel();
   }

@@ -62,6 +62,6 @@ struct PoolKernel {
 
 const PoolKernel& portable_kernel();
 const PoolKernel& avx512_kernel();
-const PoolKernel& avx512_bf16_kernel();  // needs AVX512-BF16 (Sapphire Rapids class)
+const PoolKernel& avx512_bf16_kernel();  // needs AVX512-BF16 (Zen 4/5, Sapphire Rapids class)
 
 }  // namespace dsa::cpu::compressor_kernels

@@ -17,6 +17,7 @@ namespace {
 const kl_kernels::KlKernels& pick() {
   switch (core::cpu_isa()) {
     case core::Isa::amx:
+    case core::Isa::avx512_bf16:
     case core::Isa::avx512: return kl_kernels::avx512_kernels();
     case core::Isa::avx2: return kl_kernels::avx2_kernels();
     default: return kl_kernels::portable_kernels();
@@ -27,6 +28,7 @@ const indexer_kernels::ScoreKernel& pick_score_kernel(DType dtype) {
   using namespace indexer_kernels;
   switch (core::cpu_isa()) {
     case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
+    case core::Isa::avx512_bf16:
     case core::Isa::avx512: return avx512_kernel();
     case core::Isa::avx2: return avx2_kernel();
     default: return portable_kernel();

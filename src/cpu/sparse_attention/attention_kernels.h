@@ -92,5 +92,7 @@ const AttentionKernel& avx512_kernel();
 // AMX-BF16 for bf16 inputs: the forward and dq pass use tiles; returns the
 // avx512 entries where it has none of its own.
 const AttentionKernel& amx_kernel();
+// The same algorithm on AVX-512-BF16 dot products (bf16 inputs, no AMX).
+const AttentionKernel& avx512_bf16_kernel();
 
 }  // namespace dsa::cpu::attention_kernels

@@ -1,7 +1,0 @@
-// The AVX-512 pooling kernels built with the Sapphire-Rapids flag set that the
-// _amx suffix selects, for its AVX512-BF16 conversion (one vcvtneps2bf16 per
-// store instead of an integer rounding sequence). No tile instruction here.
-#define DSA_POOL_NATIVE_BF16 1
-#define DSA_POOL_KERNEL_FUNCTION avx512_bf16_kernel
-#define DSA_POOL_KERNEL_NAME "avx512-bf16"
-#include "cpu/compressor/pool_avx512.inc"
