@@ -17,6 +17,9 @@
 #include <utility>
 
 #include "core/numeric.h"
+#if defined(__AVX512F__)
+#include "cpu/isa/avx512.h"
+#endif
 
 namespace dsa::cpu::fma {
 namespace {
@@ -167,6 +170,42 @@ void to_float(const char* src, DType dtype, std::int64_t n, std::int64_t padded,
     }
   }
   for (; i < padded; ++i) dst[i] = 0.0f;
+}
+
+
+// dst[c][r] = src[r][c] for a rows x cols fp32 block (both multiples of
+// kLanes), in kLanes x kLanes register transposes.
+inline void transpose(const float* src, std::int64_t src_stride, std::int64_t rows, std::int64_t cols, float* dst,
+                      std::int64_t dst_stride) {
+  for (std::int64_t r0 = 0; r0 < rows; r0 += kLanes)
+    for (std::int64_t c0 = 0; c0 < cols; c0 += kLanes) {
+      const float* s = src + r0 * src_stride + c0;
+      float* d = dst + c0 * dst_stride + r0;
+#if defined(__AVX512F__)
+      __m512i v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_castps_si512(_mm512_loadu_ps(s + i * src_stride));
+      avx512::transpose16x16(v);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(d + i * dst_stride, _mm512_castsi512_ps(v[i]));
+#else
+      __m256 v[8], t[8];
+      for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(s + i * src_stride);
+      for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {
+        v[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        v[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        v[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        v[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+      }
+      // v[4q + j] now holds rows 4q..4q+3 of column j (low half) and of column 4 + j (high half).
+      for (int j = 0; j < 4; ++j) {
+        _mm256_storeu_ps(d + j * dst_stride, _mm256_permute2f128_ps(v[j], v[4 + j], 0x20));
+        _mm256_storeu_ps(d + (4 + j) * dst_stride, _mm256_permute2f128_ps(v[j], v[4 + j], 0x31));
+      }
+#endif
+    }
 }
 
 }  // namespace
