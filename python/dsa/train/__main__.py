@@ -1,0 +1,134 @@
+"""dsa-train: trains a small DeepSeek-V4 language model (transformers' own model,
+random init) on the Python standard library's source bytes, unpatched or on dsa's
+fused ops, and with --compare shows the difference.
+
+    python -m dsa.train [--config unpatched|sas|sas+li] [--steps N] [--seq-len L] ...
+    python -m dsa.train --compare [--memory-budget GIB]      # what `make run` runs
+
+Per step: loss, each layer type's indexer KL and recall@k (patched runs with an
+indexer loss), tokens/s, behind a progress bar. Writes a JSON of every figure and,
+with --compare, a PNG of loss and step time per configuration. See docs/training.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields
+
+from .loop import CONFIGS, DTYPES, RunSpec, check_writable
+
+
+def _positive(name):
+    def parse(text):
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: expected an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name}: expected an integer >= 1, got {value}")
+        return value
+    return parse
+
+
+def _positive_float(name):
+    def parse(text):
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: expected a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{name}: expected a number > 0, got {value}")
+        return value
+    return parse
+
+
+def parser() -> argparse.ArgumentParser:
+    d = RunSpec()
+    ap = argparse.ArgumentParser(prog="dsa-train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", choices=list(CONFIGS), default=d.config, help="which ops run (default %(default)s)")
+    ap.add_argument("--compare", action="store_true", help="train every configuration and compare them")
+    ap.add_argument("--steps", type=_positive("--steps"), default=d.steps)
+    ap.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                    help="steps left out of the step-time figures (default %(default)s)")
+    ap.add_argument("--seq-len", type=_positive("--seq-len"), default=d.seq_len)
+    ap.add_argument("--batch", type=_positive("--batch"), default=d.batch)
+    ap.add_argument("--layers", type=_positive("--layers"), default=d.layers)
+    ap.add_argument("--hidden", type=_positive("--hidden"), default=d.hidden)
+    ap.add_argument("--heads", type=_positive("--heads"), default=d.heads)
+    ap.add_argument("--head-dim", type=_positive("--head-dim"), default=d.head_dim)
+    ap.add_argument("--index-topk", type=_positive("--index-topk"), default=d.index_topk)
+    ap.add_argument("--dtype", choices=list(DTYPES), default=d.dtype)
+    ap.add_argument("--lr", type=_positive_float("--lr"), default=d.lr)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--indexer-loss", choices=["sparse", "none"], default=d.indexer_loss,
+                    help="indexer KL loss of patched runs (default %(default)s)")
+    ap.add_argument("--loss-coefficient", type=float, default=d.loss_coefficient)
+    ap.add_argument("--threads", type=int, default=d.threads, help="torch / dsa threads (0: all cores)")
+    ap.add_argument("--save", metavar="DIR", help="save_pretrained the model (and optimizer state) here at the end")
+    ap.add_argument("--resume", metavar="DIR", help="continue from a folder written by --save")
+    ap.add_argument("--memory-budget", type=_positive_float("--memory-budget"), metavar="GIB",
+                    help="with --compare: find the most layers each configuration trains within GIB")
+    ap.add_argument("--timeout", type=_positive_float("--timeout"), default=1800.0,
+                    help="seconds one configuration may run before it is stopped (default %(default)s)")
+    ap.add_argument("--json", metavar="PATH", default="build/train.json")
+    ap.add_argument("--plot", metavar="PATH", default="build/train.png")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--_child-spec", help=argparse.SUPPRESS)
+    ap.add_argument("--_child-out", help=argparse.SUPPRESS)
+    return ap
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    from . import compare as cmp
+    from .loop import run, write_json
+
+    if args._child_spec:  # one configuration of --compare, in its own process
+        spec = RunSpec(**json.loads(args._child_spec))
+        write_json(run(spec), args._child_out)
+        return 0
+    names = {f.name for f in fields(RunSpec)}
+    spec = RunSpec(**{k: v for k, v in vars(args).items() if k in names})
+    spec.indexer_loss = None if args.indexer_loss == "none" else args.indexer_loss
+    spec.progress = not args.no_progress
+    if args.warmup_steps < 0 or args.warmup_steps >= args.steps:
+        ap.error(f"--warmup-steps: expected 0 <= N < --steps ({args.steps}), got {args.warmup_steps}")
+    if args.threads < 0:
+        ap.error(f"--threads: expected an integer >= 0, got {args.threads}")
+    if args.memory_budget and not args.compare:
+        ap.error("--memory-budget: only with --compare")
+    try:
+        for path, what in ((args.json, "--json"), (args.plot, "--plot")):
+            check_writable(path, what)
+        if args.compare:
+            if args.save or args.resume:
+                ap.error("--save / --resume: not with --compare (each configuration runs in its own process)")
+            result = cmp.compare(spec, args.memory_budget, args.timeout, _log)
+            print(cmp.tables(result))
+            write_json(result, args.json)
+            cmp.plot(result, args.plot)
+            _log(f"[compare] wrote {args.json} and {args.plot}")
+            failed = [n for n, r in result["runs"].items() if "error" in r]
+            return 1 if failed else 0
+        result = run(spec)
+        write_json(result, args.json)
+        last = result["steps"][-1]
+        print(f"{spec.config}: {len(result['steps'])} steps, loss {result['loss_first']:.4f} -> "
+              f"{result['loss_last']:.4f}, {result['step_seconds']['median']:.2f} s/step, "
+              f"{result['tokens_per_s']:.0f} tokens/s, peak {result['memory_gib']['peak_rss']:.2f} GiB"
+              + (f", indexer KL {last['indexer_kl']}" if last["indexer_kl"] else ""))
+        _log(f"wrote {args.json}")
+        return 0
+    except ValueError as e:
+        print(f"dsa-train: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

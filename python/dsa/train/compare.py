@@ -1,0 +1,167 @@
+"""``dsa-train --compare``: the same model, data and seed trained unpatched, with SAS and
+with SAS+LI, each configuration in a fresh process (so its peak memory is its own);
+then the most layers each configuration trains within a memory budget. Tables on
+stdout, every figure in one JSON, loss and step time in one PNG."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from .loop import CONFIGS, RunSpec
+
+GIB = 1.0
+
+
+def _child(spec: RunSpec, timeout_s: float) -> dict:
+    """Runs one configuration in a fresh interpreter and returns its result JSON."""
+    with tempfile.TemporaryDirectory(prefix="dsa-train-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "dsa.train", "--_child-spec", json.dumps(asdict(spec)), "--_child-out", str(out)]
+        try:
+            proc = subprocess.run(cmd, timeout=timeout_s, stdout=subprocess.PIPE, stderr=None, text=True)
+        except subprocess.TimeoutExpired:
+            return {"error": f"over the {timeout_s:.0f} s limit"}
+        if proc.returncode != 0 or not out.exists():
+            return {"error": f"exit code {proc.returncode}: {proc.stdout.strip()[-400:]}"}
+        return json.loads(out.read_text())
+
+
+def layers_within(spec: RunSpec, budget_gib: float, timeout_s: float, log) -> dict:
+    """The most layers (a multiple of the 4-layer pattern's prefix, any count) whose two
+    training steps stay within `budget_gib` peak RSS: measured at 1 and 2 layers, extrapolated
+    linearly, then the estimate is run and the count adjusted until measured."""
+    probe = replace(spec, steps=2, warmup_steps=1, save=None, resume=None, progress=False)
+    measured: dict[int, float] = {}
+
+    def peak(layers: int) -> float:
+        if layers not in measured:
+            r = _child(replace(probe, layers=layers), timeout_s)
+            measured[layers] = math.inf if "error" in r else r["memory_gib"]["peak_rss"]
+            log(f"  {spec.config}: {layers} layers -> peak {measured[layers]:.2f} GiB")
+        return measured[layers]
+
+    one, two = peak(1), peak(2)
+    if not math.isfinite(one) or one > budget_gib:
+        return {"layers": 0, "measured": measured}
+    per_layer = max(two - one, 1e-3)
+    guess = max(1, int((budget_gib - one) / per_layer) + 1)
+    guess = min(guess, 512)
+    # Walk from the estimate to the boundary, measuring every step.
+    if peak(guess) <= budget_gib:
+        while guess < 512 and peak(guess + 1) <= budget_gib:
+            guess += 1
+    else:
+        while guess > 1 and peak(guess) > budget_gib:
+            guess -= 1
+    return {"layers": guess, "per_layer_gib": per_layer, "measured": {str(k): v for k, v in measured.items()}}
+
+
+def compare(spec: RunSpec, budget_gib: float | None, timeout_s: float, log) -> dict:
+    runs = {}
+    for name in CONFIGS:
+        log(f"[compare] {name}: {spec.steps} steps, {spec.layers} layers, {spec.seq_len} tokens, {spec.dtype}")
+        runs[name] = _child(replace(spec, config=name, save=None, resume=None), timeout_s)
+    result = {"spec": asdict(spec), "runs": runs}
+    base = runs["unpatched"]
+    if "error" not in base:
+        agree = {}
+        for name, r in runs.items():
+            if name == "unpatched" or "error" in r:
+                continue
+            diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(base["steps"], r["steps"])]
+            agree[name] = {"max_abs_loss_diff": max(diffs), "per_step": diffs}
+        result["loss_agreement"] = agree
+    if budget_gib:
+        log(f"[compare] layers within {budget_gib} GiB")
+        result["memory_budget_gib"] = budget_gib
+        result["layers_within_budget"] = {name: layers_within(replace(spec, config=name), budget_gib, timeout_s, log)
+                                          for name in CONFIGS}
+    return result
+
+
+def _fmt(x, nd=2):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def tables(result: dict) -> str:
+    runs = result["runs"]
+    lines = []
+    spec = result["spec"]
+    lines.append(f"DeepSeek-V4 {spec['layers']} layers, hidden {spec['hidden']}, {spec['heads']} heads x "
+                 f"{spec['head_dim']}, {spec['seq_len']} tokens x batch {spec['batch']}, {spec['dtype']}, "
+                 f"{spec['steps']} steps ({spec['warmup_steps']} warm-up)")
+    lines.append("")
+    head = f"{'config':<10} {'s/step median':>13} {'min-max':>13} {'speed-up':>8} {'tokens/s':>9} " \
+           f"{'peak GiB':>9} {'loss first->last':>17}"
+    lines += [head, "-" * len(head)]
+    base = runs.get("unpatched", {})
+    base_t = base.get("step_seconds", {}).get("median")
+    for name, r in runs.items():
+        if "error" in r:
+            lines.append(f"{name:<10} failed: {r['error']}")
+            continue
+        st = r["step_seconds"]
+        speed = base_t / st["median"] if base_t else None
+        lines.append(f"{name:<10} {st['median']:>13.2f} {st['min']:>6.2f}-{st['max']:<6.2f} {_fmt(speed):>8} "
+                     f"{r['tokens_per_s']:>9.0f} {r['memory_gib']['peak_rss']:>9.2f} "
+                     f"{r['loss_first']:>8.3f}->{r['loss_last']:<8.3f}")
+    lines.append("")
+    types = next((r["layer_types"] for r in runs.values() if "layer_types" in r), [])
+    kinds = sorted(set(types), key=types.index)
+    head = f"{'config':<10} " + " ".join(f"{k + ' s/layer':>14}" for k in kinds)
+    lines += [head, "-" * len(head)]
+    for name, r in runs.items():
+        if "error" in r:
+            continue
+        lines.append(f"{name:<10} " + " ".join(f"{r['layer_seconds_by_type'].get(k, math.nan):>14.3f}" for k in kinds))
+    if "loss_agreement" in result:
+        lines.append("")
+        for name, a in result["loss_agreement"].items():
+            lines.append(f"loss vs unpatched, {name}: max |diff| over {len(a['per_step'])} steps = "
+                         f"{a['max_abs_loss_diff']:.2e}")
+    indexer = [(name, r["steps"][-1]) for name, r in runs.items() if "steps" in r and r["steps"]
+               and r["steps"][-1].get("indexer_kl")]
+    if indexer:
+        lines.append("")
+        for name, last in indexer:
+            kl = ", ".join(f"{t} {v:.4f}" for t, v in last["indexer_kl"].items())
+            rec = ", ".join(f"{t} {v:.3f}" for t, v in last.get("indexer_recall", {}).items())
+            lines.append(f"{name}: last step indexer KL {kl}" + (f"; recall@k {rec}" if rec else ""))
+    if "layers_within_budget" in result:
+        lines.append("")
+        lines.append(f"most layers within {result['memory_budget_gib']} GiB:")
+        base_l = result["layers_within_budget"].get("unpatched", {}).get("layers")
+        for name, b in result["layers_within_budget"].items():
+            ratio = f" ({b['layers'] / base_l:.1f}x)" if base_l else ""
+            lines.append(f"  {name:<10} {b['layers']}{ratio}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in result["runs"].items():
+        if "steps" not in r:
+            continue
+        steps = [s["step"] for s in r["steps"]]
+        ax_loss.plot(steps, [s["loss"] for s in r["steps"]], marker="o", label=name)
+        ax_time.plot(steps, [s["seconds"] for s in r["steps"]], marker="o", label=name)
+    ax_loss.set(xlabel="step", ylabel="loss", title="training loss")
+    ax_time.set(xlabel="step", ylabel="seconds", title="step time")
+    ax_time.set_yscale("log")
+    for ax in (ax_loss, ax_time):
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

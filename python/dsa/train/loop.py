@@ -1,0 +1,252 @@
+"""One training run: model, optional dsa patch, AdamW, per-step figures."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .data import Batches, stdlib_corpus
+from .model import build_model, layer_types, v4_config
+
+# What each configuration switches on (dsa.integrations.transformers.patch flags).
+CONFIGS = {
+    "unpatched": None,
+    "sas": dict(sas=True, li=False, compressor=True),
+    "sas+li": dict(sas=True, li=True, compressor=True),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class RunSpec:
+    config: str = "sas+li"
+    steps: int = 8
+    warmup_steps: int = 2  # excluded from the steady-state step-time figures
+    seq_len: int = 2048
+    batch: int = 1
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 8
+    head_dim: int = 128
+    index_topk: int = 512
+    dtype: str = "fp32"
+    lr: float = 1e-3
+    seed: int = 0
+    indexer_loss: str | None = "sparse"  # None: no indexer loss (the indexer gets no gradient)
+    loss_coefficient: float = 1.0
+    threads: int = 0  # 0: torch's default
+    save: str | None = None
+    resume: str | None = None
+    progress: bool = True
+
+
+@dataclass
+class StepRecord:
+    step: int
+    loss: float
+    seconds: float
+    tokens_per_s: float
+    layer_seconds: list[float] = field(default_factory=list)  # forward + backward per decoder layer
+    indexer_kl: dict[str, float] = field(default_factory=dict)  # per layer type
+    indexer_recall: dict[str, float] = field(default_factory=dict)
+
+
+def _rss_gib(field_name: str) -> float:
+    """VmRSS / VmHWM of this process from /proc (GiB); nan where /proc is missing."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return float("nan")
+
+
+class LayerTimer:
+    """Wall time of each decoder layer's forward and backward, from module hooks."""
+
+    def __init__(self, layers):
+        self.totals = [0.0] * len(layers)
+        self._start_fwd = [0.0] * len(layers)
+        self._start_bwd = [0.0] * len(layers)
+        self.handles = []
+        for i, layer in enumerate(layers):
+            self.handles += [
+                layer.register_forward_pre_hook(self._mark(self._start_fwd, i)),
+                layer.register_forward_hook(self._add(self._start_fwd, i)),
+                layer.register_full_backward_pre_hook(self._mark(self._start_bwd, i)),
+                layer.register_full_backward_hook(self._add(self._start_bwd, i)),
+            ]
+
+    def _mark(self, starts, i):
+        def hook(*_):
+            starts[i] = time.perf_counter()
+        return hook
+
+    def _add(self, starts, i):
+        def hook(*_):
+            self.totals[i] += time.perf_counter() - starts[i]
+        return hook
+
+    def take(self) -> list[float]:
+        out, self.totals = self.totals, [0.0] * len(self.totals)
+        return out
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def check_writable(path: str, what: str) -> None:
+    """Fails before training starts when `path` (a file or a folder to create) cannot be written."""
+    p = Path(path)
+    target = p if p.is_dir() else p.parent
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    if not os.access(target, os.W_OK):
+        raise ValueError(f"{what}: cannot write {path!r} ({target} is not writable)")
+
+
+def _patch(model, spec: RunSpec):
+    flags = CONFIGS[spec.config]
+    if flags is None:
+        return None
+    from ..integrations.transformers import patch
+
+    return patch(model, **flags, indexer_loss=spec.indexer_loss, loss_coefficient=spec.loss_coefficient,
+                 strict=True)
+
+
+def _indexer_figures(model, types: list[str]) -> tuple[dict[str, float], dict[str, float]]:
+    """Per layer type: the mean indexer KL and recall@k of the last step (empty if the patch gives none)."""
+    try:
+        from ..integrations.transformers import indexer_metrics
+    except ImportError:
+        return {}, {}
+    per_layer = indexer_metrics(model)  # {layer index: {"kl": float, "recall": float}}
+    kl, recall = {}, {}
+    for name, out in (("kl", kl), ("recall", recall)):
+        by_type: dict[str, list[float]] = {}
+        for i, values in per_layer.items():
+            if values.get(name) is not None:
+                by_type.setdefault(types[i], []).append(float(values[name]))
+        out.update({t: sum(v) / len(v) for t, v in by_type.items()})
+    return kl, recall
+
+
+def run(spec: RunSpec) -> dict:
+    """Trains `spec.steps` steps (continuing from `spec.resume`) and returns every figure."""
+    if spec.config not in CONFIGS:
+        raise ValueError(f"--config: expected one of {', '.join(CONFIGS)}, got {spec.config!r}")
+    if spec.dtype not in DTYPES:
+        raise ValueError(f"--dtype: expected one of {', '.join(DTYPES)}, got {spec.dtype!r}")
+    for path, what in ((spec.save, "--save"),):
+        if path:
+            check_writable(path, what)
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    dtype = DTYPES[spec.dtype]
+    corpus = stdlib_corpus()
+    batches = Batches(corpus, spec.seq_len, spec.batch, spec.seed)
+    start_step = 0
+    if spec.resume:
+        model, optimizer, start_step = _load(spec, batches, dtype)
+    else:
+        config = v4_config(spec.layers, spec.hidden, spec.heads, spec.head_dim, spec.seq_len, spec.index_topk, dtype)
+        model = build_model(config, spec.seed, dtype)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    patched = _patch(model, spec)
+    types = layer_types(model)
+    timer = LayerTimer(model.model.layers)
+    rss_start = _rss_gib("VmRSS")
+    records: list[StepRecord] = []
+    bar = None
+    if spec.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=spec.steps, desc=f"train {spec.config}", unit="step", dynamic_ncols=True, leave=False)
+    try:
+        for step in range(start_step, start_step + spec.steps):
+            ids = batches.next()
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, labels=ids, use_cache=False)
+            loss = out.loss
+            if not torch.isfinite(loss):
+                raise RuntimeError(f"step {step}: the loss is {loss.item()} (diverged)")
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            seconds = time.perf_counter() - t0
+            kl, recall = _indexer_figures(model, types) if patched is not None else ({}, {})
+            rec = StepRecord(step=step, loss=float(loss.item()), seconds=seconds,
+                             tokens_per_s=ids.numel() / seconds, layer_seconds=timer.take(), indexer_kl=kl,
+                             indexer_recall=recall)
+            records.append(rec)
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec.loss:.3f}", tok_s=f"{rec.tokens_per_s:.0f}")
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        timer.remove()
+    if spec.save:
+        _save(spec.save, model, optimizer, batches, start_step + spec.steps)
+    return summarise(spec, types, records, rss_start, _rss_gib("VmHWM"))
+
+
+def summarise(spec: RunSpec, types: list[str], records: list[StepRecord], rss_start: float, rss_peak: float) -> dict:
+    steady = [r.seconds for r in records[spec.warmup_steps:]] or [r.seconds for r in records]
+    layers = [list(x) for x in zip(*[r.layer_seconds for r in records[spec.warmup_steps:] or records])]
+    per_layer = [statistics.median(x) for x in layers] if layers else []
+    by_type: dict[str, list[float]] = {}
+    for t, s in zip(types, per_layer):
+        by_type.setdefault(t, []).append(s)
+    return {
+        "spec": asdict(spec),
+        "layer_types": types,
+        "steps": [asdict(r) for r in records],
+        "step_seconds": {"median": statistics.median(steady), "min": min(steady), "max": max(steady),
+                         "steady_steps": len(steady)},
+        "layer_seconds": per_layer,
+        "layer_seconds_by_type": {t: statistics.median(v) for t, v in by_type.items()},
+        "tokens_per_s": spec.seq_len * spec.batch / statistics.median(steady),
+        "memory_gib": {"rss_at_start": rss_start, "peak_rss": rss_peak, "peak_extra": rss_peak - rss_start},
+        "loss_first": records[0].loss if records else math.nan,
+        "loss_last": records[-1].loss if records else math.nan,
+    }
+
+
+def _save(folder: str, model, optimizer, batches: Batches, next_step: int) -> None:
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    torch.save({"optimizer": optimizer.state_dict(), "next_step": next_step, "data_rng": batches.state(),
+                "torch_rng": torch.get_rng_state()}, path / STATE_FILE)
+
+
+def _load(spec: RunSpec, batches: Batches, dtype: torch.dtype):
+    from transformers import DeepseekV4ForCausalLM
+
+    path = Path(spec.resume)
+    if not (path / STATE_FILE).is_file():
+        raise ValueError(f"--resume: {spec.resume!r} holds no {STATE_FILE} (was it written by --save?)")
+    model = DeepseekV4ForCausalLM.from_pretrained(path, torch_dtype=dtype).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    state = torch.load(path / STATE_FILE, weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    batches.load(state["data_rng"])
+    torch.set_rng_state(state["torch_rng"])
+    return model, optimizer, int(state["next_step"])
+
+
+def write_json(result: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))
