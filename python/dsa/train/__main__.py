@@ -49,8 +49,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", choices=list(CONFIGS), default=d.config, help="which ops run (default %(default)s)")
     ap.add_argument("--compare", action="store_true", help="train every configuration and compare them")
     ap.add_argument("--steps", type=_positive("--steps"), default=d.steps)
-    ap.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                    help="steps left out of the step-time figures (default %(default)s)")
+    ap.add_argument("--warmup-steps", type=int, default=None,
+                    help=f"steps left out of the step-time figures (default {d.warmup_steps}, fewer for short runs)")
     ap.add_argument("--seq-len", type=_positive("--seq-len"), default=d.seq_len)
     ap.add_argument("--batch", type=_positive("--batch"), default=d.batch)
     ap.add_argument("--layers", type=_positive("--layers"), default=d.layers)
@@ -93,6 +93,8 @@ def main(argv=None) -> int:
         spec = RunSpec(**json.loads(args._child_spec))
         write_json(run(spec), args._child_out)
         return 0
+    if args.warmup_steps is None:
+        args.warmup_steps = min(RunSpec().warmup_steps, args.steps - 1)
     names = {f.name for f in fields(RunSpec)}
     spec = RunSpec(**{k: v for k, v in vars(args).items() if k in names})
     spec.indexer_loss = None if args.indexer_loss == "none" else args.indexer_loss

@@ -106,10 +106,12 @@ class LayerTimer:
 
 def check_writable(path: str, what: str) -> None:
     """Fails before training starts when `path` (a file or a folder to create) cannot be written."""
-    p = Path(path)
+    p = Path(path).absolute()
     target = p if p.is_dir() else p.parent
     while not target.exists() and target != target.parent:
         target = target.parent
+    if not target.is_dir():
+        raise ValueError(f"{what}: cannot write {path!r} ({target} is a file, not a folder)")
     if not os.access(target, os.W_OK):
         raise ValueError(f"{what}: cannot write {path!r} ({target} is not writable)")
 

@@ -1,0 +1,111 @@
+"""dsa-train: a short real run (tiny DeepSeek-V4, stdlib bytes) per configuration,
+--compare's JSON and PNG, --save / --resume, and clear errors for bad flags and paths."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--seq-len", "320", "--layers", "4", "--hidden", "64", "--heads", "2", "--head-dim", "64",
+        "--index-topk", "16", "--threads", "1", "--no-progress"]
+
+
+def train(*args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    return subprocess.run([sys.executable, "-m", "dsa.train", *TINY, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("config", ["unpatched", "sas", "sas+li"])
+def test_short_run_learns_and_reports(config, tmp_path):
+    out = tmp_path / "run.json"
+    r = train("--config", config, "--steps", "6", "--warmup-steps", "1", "--lr", "3e-3", "--json", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    losses = [s["loss"] for s in result["steps"]]
+    assert len(losses) == 6
+    assert losses[-1] < losses[0] - 0.1, losses  # it learns something in six steps
+    assert result["layer_types"] == ["sliding", "CSA", "HCA", "CSA"]
+    assert len(result["layer_seconds"]) == 4 and all(t > 0 for t in result["layer_seconds"])
+    assert result["memory_gib"]["peak_rss"] > 0
+    for key in ("median", "min", "max"):
+        assert result["step_seconds"][key] > 0
+    last = result["steps"][-1]
+    if config == "unpatched":
+        assert last["indexer_kl"] == {}  # transformers' model has no indexer loss
+    else:
+        # The CSA layers' indexer KL and recall@k of the patched runs.
+        assert set(last["indexer_kl"]) == {"CSA"} and last["indexer_kl"]["CSA"] >= 0
+        assert 0 <= last["indexer_recall"]["CSA"] <= 1
+
+
+def test_resume_continues_the_saved_run(tmp_path):
+    straight, first, second = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    ckpt = tmp_path / "ckpt"
+    common = ["--config", "sas+li", "--warmup-steps", "0"]
+    r = train(*common, "--steps", "4", "--json", str(straight))
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = train(*common, "--steps", "2", "--save", str(ckpt), "--json", str(first))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (ckpt / "config.json").is_file() and (ckpt / "trainer_state.pt").is_file()
+    r = train(*common, "--steps", "2", "--resume", str(ckpt), "--json", str(second))
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = json.loads(straight.read_text())["steps"]
+    c = json.loads(second.read_text())["steps"]
+    assert [s["step"] for s in c] == [2, 3]
+    # Same weights, optimizer state and data position: the same losses as the uninterrupted run.
+    for x, y in zip(a[2:], c):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["loss"], y["loss"])
+
+
+def test_compare_writes_tables_json_and_png(tmp_path):
+    out, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
+    r = train("--compare", "--steps", "3", "--warmup-steps", "1", "--json", str(out), "--plot", str(png),
+              "--memory-budget", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"unpatched", "sas", "sas+li"}
+    for run in result["runs"].values():
+        assert "error" not in run, run
+        assert len(run["steps"]) == 3 and run["memory_gib"]["peak_rss"] > 0
+    # fp32: the patched loss curves follow the unpatched one step by step.
+    for name, agree in result["loss_agreement"].items():
+        assert agree["max_abs_loss_diff"] < 1e-3, (name, agree)
+    for name, b in result["layers_within_budget"].items():
+        assert b["layers"] >= 1, (name, b)
+    assert "s/step median" in r.stdout and "most layers within 3.0 GiB" in r.stdout
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_flags_and_paths_give_clear_errors(tmp_path):
+    r = train("--steps", "0")
+    assert r.returncode == 2 and "--steps: expected an integer >= 1, got 0" in r.stderr
+    r = train("--config", "fast")
+    assert r.returncode == 2 and "--config" in r.stderr and "invalid choice" in r.stderr
+    r = train("--memory-budget", "4")
+    assert r.returncode == 2 and "--memory-budget: only with --compare" in r.stderr
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores the mode: use a path under a regular file instead
+            target = tmp_path / "file"
+            target.write_text("x")
+            bad = target / "out.json"
+        else:
+            bad = locked / "out.json"
+        r = train("--steps", "1", "--json", str(bad))
+        assert r.returncode == 2 and "--json: cannot write" in r.stderr, r.stderr[-2000:]
+        r = train("--steps", "1", "--save", str(bad.parent / "ckpt"))
+        assert r.returncode == 2 and "--save: cannot write" in r.stderr, r.stderr[-2000:]
+    finally:
+        locked.chmod(0o700)
+    r = train("--steps", "1", "--resume", str(tmp_path))
+    assert r.returncode == 2 and "--resume" in r.stderr and "trainer_state.pt" in r.stderr
