@@ -5,7 +5,7 @@ BUILD   := build
 JOBS    ?= $(shell nproc)
 PYENV   := PYTHONPATH=$(CURDIR)/python
 
-.PHONY: setup build run test test-cpp test-python test-install test-sanitize bench clean
+.PHONY: setup build run bench-quick test test-cpp test-python test-install test-sanitize bench clean
 
 setup:
 	@bash tools/setup.sh
@@ -17,8 +17,14 @@ $(BUILD)/build.ninja: CMakeLists.txt | setup
 build: setup $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS)
 
-# Main job: the quick benchmark on this CPU, as a table.
+# Main job: the training comparison (dsa-train --compare) at its default size:
+# DeepSeek-V4 unpatched vs on dsa's fused ops. Tables on stdout, build/train.json,
+# build/train.png.
 run: build
+	$(PYENV) $(PY) -m dsa.train --compare
+
+# The quick kernel benchmark (make bench runs every case).
+bench-quick: build
 	$(PYENV) $(PY) -m dsa.bench --quick
 
 # Full benchmark (all cases; writes build/bench.json and prints the table).
