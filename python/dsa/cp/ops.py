@@ -190,7 +190,9 @@ def _calls(shard: Shard):
 def _q(t: Optional[torch.Tensor], sl: slice, shard: Shard) -> Optional[torch.Tensor]:
     if t is None or isinstance(shard, TNDShard):
         return t
-    return t[:, sl]
+    # The ops need batch-mergeable rows, which a [:, chunk] slice of [B, 2c, ...] is not
+    # (for B > 1): one copy of the query-side chunk (its gradient flows back through it).
+    return t[:, sl].contiguous()
 
 
 def _layout(shard: Shard) -> str:
@@ -250,6 +252,13 @@ def sparse_attention(query, kv, indices=None, *, shard: Shard, scale: float, d_v
             raise ValueError(f"cmp_ratio: expected >= 2 with cmp_kv, got {cmp_ratio}")
         ctotal, cused = _key_rows(shard, cmp_ratio)
         cmp_p = _key_prefix(cmp_kv, shard, "cmp_kv", ctotal, cused)
+    if isinstance(shard, TNDShard) and query.shape[0] == 0:
+        # A rank with no query row: nothing to compute, but its gathered inputs stay in its
+        # graph so that the gathers' backward collectives still run here.
+        d = d_v if d_v is not None else kv.shape[-1]
+        out = tie(query.new_zeros(query.shape[:-1] + (d,)), query, kv_p, cmp_p, sinks, query_rope, kr_p)
+        empty = query.new_zeros(query.shape[:-1], dtype=torch.float32)
+        return out, empty.fill_(float("-inf")), empty.clone().zero_()
     outs = []
     for sl, ql, kl in _calls(shard):
         outs.append(dsa_sparse_attention(
