@@ -33,6 +33,14 @@ CONFIGS = {
         "empty": ([7, 30, 64], [0, 10, 10, 30, 64]),
     },
 }
+# Long documents for m = 128 (HCA): entries straddling rank boundaries, halos of up to 127 rows.
+LONG = {2: ([130, 300, 384], [0, 200, 384]), 4: ([130, 300, 300, 520], [0, 100, 200, 260, 520])}
+
+
+def _config(world, cfg):
+    return LONG[world] if cfg == "long" else CONFIGS[world][cfg]
+
+
 ZIGZAG = {2: (12, [12, 7, 2]), 4: (24, [24, 13, 5])}   # (S, row lengths): ends inside chunks, padded chunks
 
 
@@ -182,7 +190,7 @@ def case_v32_dense(chk, world, rank, cfg):
 def case_v4(chk, world, rank, cfg, ratio, use_indexer):
     """V4 layer: sliding window + compressed part (CSA: compressor with overlap + indexer's
     own compressor + top-k + KL; HCA: every visible entry), with sinks."""
-    ends, offsets = CONFIGS[world][cfg]
+    ends, offsets = _config(world, cfg)
     T, H, D, Hi, Di, window, K = ends[-1], 4, 32, 2, 16, 8, 3
     overlap = ratio == 4
     coff = 2 if overlap else 1
@@ -315,6 +323,39 @@ def case_zigzag(chk, world, rank):
         chk.close(n, a.grad, rows(b.grad))
 
 
+def case_zigzag_dense(chk, world, rank):
+    """BSND zigzag dense warm-up: dense causal attention, dense indexer LSE and dense KL."""
+    S, lens = ZIGZAG[world]
+    B, H, D, Hi, Di = len(lens), 4, 32, 2, 16
+    r = _gen(19)
+    g_q, g_kv, g_iq, g_ik, g_w, g_up = r(B, S, H, D), r(B, S, D), r(B, S, Hi, Di), r(B, S, Di), r(B, S, Hi), r(B, S, H, D)
+    valid = (torch.arange(S)[None, :] < torch.tensor(lens)[:, None])[..., None, None]
+    g_up = g_up * valid
+    scale = D ** -0.5
+    lensd = dict(query_lengths=lens, key_lengths=lens, layout="BSND")
+    q, kv, iq, ik, w = map(_leaf, (g_q, g_kv, g_iq, g_ik, g_w))
+    out, mx, sm = dsa.dsa_sparse_attention(q, kv, None, scale=scale, **lensd)
+    lse = dsa.dsa_dense_indexer_lse(iq, ik, w, **lensd)
+    kl = dsa.dsa_dense_indexer_kl_loss(iq, ik, w, q, kv.unsqueeze(2), mx, sm, lse, scale=scale, **lensd)
+    ((out * g_up).sum() + kl).backward()
+    shard = cp.zigzag_shard(S, lens)
+    rows = lambda t: cp.shard_rows(t, shard)  # noqa: E731
+    q_l, kv_l, iq_l, ik_l, w_l = (_leaf(rows(t)) for t in (g_q, g_kv, g_iq, g_ik, g_w))
+    kv_g, ik_g = cp.gather(kv_l, shard), cp.gather(ik_l, shard)
+    out_l, mx_l, sm_l = cp.sparse_attention(q_l, kv_g, None, shard=shard, scale=scale)
+    lse_l = cp.dense_indexer_lse(iq_l, ik_g, w_l, shard=shard)
+    share = cp.dense_indexer_kl_loss(iq_l, ik_g, w_l, q_l, kv_g.unsqueeze(2), mx_l, sm_l, lse_l, shard=shard,
+                                     scale=scale)
+    ((out_l * rows(g_up)).sum() + share).backward()
+    for n, a, b in (("out", out_l, out), ("softmax_max", mx_l, mx), ("softmax_sum", sm_l, sm),
+                    ("indexer_lse", lse_l, lse)):
+        chk.close(n, a, rows(b))
+    chk.close("dense kl (sum of shares)", cp.loss_for_logging(share, shard), kl.detach())
+    for n, a, b in (("d_query", q_l, q), ("d_kv", kv_l, kv), ("d_index_query", iq_l, iq), ("d_index_key", ik_l, ik),
+                    ("d_weights", w_l, w)):
+        chk.close(n, a.grad, rows(b.grad))
+
+
 def case_mismatch(chk, world, rank):
     """Ranks passing different global lengths: a clear error on every rank."""
     ends = [4, 8 * world] if rank != world - 1 else [5, 8 * world]
@@ -341,8 +382,10 @@ def cases(world):
         out.append((f"v4_csa_{cfg}", lambda c, w, r, cfg=cfg: case_v4(c, w, r, cfg, 4, True)))
         out.append((f"v4_hca8_{cfg}", lambda c, w, r, cfg=cfg: case_v4(c, w, r, cfg, 8, False)))
     out.append(("v32_kl_coefficient0", lambda c, w, r: case_v32_sparse(c, w, r, "straddle", 0.0)))
+    out.append(("v4_hca128_long", lambda c, w, r: case_v4(c, w, r, "long", 128, False)))
     out.append(("v4_sliding_fallback_ratio128", lambda c, w, r: case_v4(c, w, r, "straddle", 128, False)))
     out.append(("v4_fallback_decided_globally", case_v4_fallback))
     out.append(("bsnd_zigzag", case_zigzag))
+    out.append(("bsnd_zigzag_dense", case_zigzag_dense))
     out.append(("mismatched_lengths", case_mismatch))
     return out

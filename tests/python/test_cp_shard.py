@@ -192,3 +192,17 @@ def test_zigzag_brute_force(world):
         # the gathered (rank-major) chunk order, read through gathered_order, is natural
         order = ZigzagShard(0, world, S, tuple(lens)).gathered_order()
         assert sorted(order) == list(range(2 * world)) and order == [k for r in range(world) for k in (r, 2 * world - 1 - r)]
+
+
+def test_wrappers_reject_local_key_tensors():
+    # Checked before any collective, so no process group is needed: a key-side tensor that
+    # is not the gathered stream (the "local KV passed as the prefix" mistake) is an error.
+    shard = TNDShard(0, 2, [5, 16], [0, 8, 16])
+    q, kv_local = torch.randn(8, 2, 16), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="kv: expected the gathered tensor"):
+        cp.sparse_attention(q, kv_local, None, shard=shard, scale=0.25)
+    with pytest.raises(ValueError, match="index_key: expected the gathered tensor"):
+        cp.indexer(torch.randn(8, 2, 4), torch.randn(8, 4), torch.randn(8, 2), shard=shard, topk=2)
+    with pytest.raises(ValueError, match="cmp_kv: expected the gathered tensor"):
+        cp.sparse_attention(q, torch.randn(16, 16), None, shard=shard, scale=0.25, window=4,
+                            cmp_kv=torch.randn(2, 16), cmp_ratio=4)
