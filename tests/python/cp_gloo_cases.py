@@ -144,6 +144,43 @@ def case_v32_sparse(chk, world, rank, cfg, coefficient):
         chk.true("kl share is 0 with coefficient 0", float(share) == 0.0)
 
 
+def case_v32_sparse_bf16(chk, world, rank):
+    """bf16 sparse attention under CP against the fp64 oracle with the quality rule
+    ``max|cp - oracle64| <= 2 * max|naive_bf16 - oracle64| + 1e-5`` (outputs and gradients;
+    the key-side gradients are summed over ranks in fp32 by the gather's backward)."""
+    from dsa.naive import naive_sparse_attention, oracle_sparse_attention
+    ends, offsets = CONFIGS[world]["straddle"]
+    T, H, D, Dv, Dr, Hi, Di, K = ends[-1], 4, 40, 32, 8, 2, 16, 6
+    r = _gen(21)
+    bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    g_q, g_kv, g_qr, g_kr, g_up = bf(r(T, H, D)), bf(r(T, D)), bf(r(T, H, Dr)), bf(r(T, Dr)), bf(r(T, H, Dv))
+    idx = dsa.dsa_indexer(r(T, Hi, Di), r(T, Di), r(T, Hi), topk=K, query_lengths=ends, key_lengths=ends)
+    scale = D ** -0.5
+    lens = dict(query_lengths=ends, key_lengths=ends)
+
+    def ref(fn, dtype):
+        ts = [t.detach().to(dtype).requires_grad_(True) for t in (g_q, g_kv, g_qr, g_kr)]
+        out = fn(ts[0], ts[1], idx, scale=scale, d_v=Dv, query_rope=ts[2], key_rope=ts[3], **lens)[0]
+        (out * g_up.to(dtype)).sum().backward()
+        return [out.detach()] + [t.grad for t in ts]
+
+    oracle = ref(oracle_sparse_attention, torch.float64)
+    naive = ref(naive_sparse_attention, torch.bfloat16)
+    shard = cp.tnd_shard(ends, offsets[rank + 1] - offsets[rank])
+    rows = lambda t: cp.shard_rows(t, shard)  # noqa: E731
+    q_l, kv_l, qr_l, kr_l = (_leaf(rows(t)) for t in (g_q, g_kv, g_qr, g_kr))
+    out_l = cp.sparse_attention(q_l, cp.gather(kv_l, shard), rows(idx), shard=shard, scale=scale, d_v=Dv,
+                                query_rope=qr_l, key_rope=cp.gather(kr_l, shard))[0]
+    (out_l * rows(g_up)).sum().backward()
+    got = [out_l.detach(), q_l.grad, kv_l.grad, qr_l.grad, kr_l.grad]
+    for n, a, o, nv in zip(("out", "d_query", "d_kv", "d_query_rope", "d_key_rope"), got, oracle, naive):
+        o, nv = rows(o), rows(nv).double()
+        chk.true(f"{n}: dtype {a.dtype}", a.dtype == torch.bfloat16)
+        err = (a.double() - o).abs().max().item()
+        bound = 2 * (nv - o).abs().max().item() + 1e-5
+        chk.true(f"{n}: bf16 error {err:.3e} > bound {bound:.3e}", err <= bound)
+
+
 def case_v32_dense(chk, world, rank, cfg):
     ends, offsets = CONFIGS[world][cfg]
     T, H, D, Dv, Dr, Hi, Di = ends[-1], 4, 40, 32, 8, 2, 16
@@ -381,6 +418,7 @@ def cases(world):
         out.append((f"v32_dense_{cfg}", lambda c, w, r, cfg=cfg: case_v32_dense(c, w, r, cfg)))
         out.append((f"v4_csa_{cfg}", lambda c, w, r, cfg=cfg: case_v4(c, w, r, cfg, 4, True)))
         out.append((f"v4_hca8_{cfg}", lambda c, w, r, cfg=cfg: case_v4(c, w, r, cfg, 8, False)))
+    out.append(("v32_sparse_bf16", case_v32_sparse_bf16))
     out.append(("v32_kl_coefficient0", lambda c, w, r: case_v32_sparse(c, w, r, "straddle", 0.0)))
     out.append(("v4_hca128_long", lambda c, w, r: case_v4(c, w, r, "long", 128, False)))
     out.append(("v4_sliding_fallback_ratio128", lambda c, w, r: case_v4(c, w, r, "straddle", 128, False)))

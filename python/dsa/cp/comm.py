@@ -45,10 +45,13 @@ class _AllGatherRows(torch.autograd.Function):
         dist = _dist()
         # contiguous(): a non-contiguous gradient must not be reduced in place of a view
         # (the PyTorch #120582 class of bug).
-        g = grad.movedim(ctx.dim, 0).contiguous().clone()
+        g = grad.movedim(ctx.dim, 0).contiguous()
+        # Sum half-precision partial gradients in fp32: a single process accumulates every
+        # key's gradient in fp32 and rounds once; W roundings of the running sum would not.
+        g = g.to(torch.float32) if g.dtype in (torch.bfloat16, torch.float16) else g.clone()
         dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group)
         start = sum(ctx.counts[:ctx.rank])
-        mine = g[start:start + ctx.counts[ctx.rank]].movedim(0, ctx.dim).contiguous()
+        mine = g[start:start + ctx.counts[ctx.rank]].movedim(0, ctx.dim).to(grad.dtype).contiguous()
         return mine, None, None, None, None
 
 
