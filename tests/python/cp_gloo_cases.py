@@ -135,6 +135,11 @@ def case_v32_sparse(chk, world, rank, cfg, coefficient):
     for n, a, b in (("out", out_l, out), ("softmax_max", mx_l, mx), ("softmax_sum", sm_l, sm)):
         chk.close(n, a, rows(b))
     chk.close("kl (sum of shares)", cp.loss_for_logging(share, shard), kl.detach())
+    with torch.no_grad():
+        scaled = cp.kl_loss(q_l, kv_g, idx_l, mx_l, sm_l, iq_l, ik_g, w_l, shard=shard, scale=scale, query_rope=qr_l,
+                            key_rope=kr_g, loss_coefficient=coefficient, grads_averaged_over_cp=True)
+    chk.close("kl shares with grads_averaged_over_cp sum to W * loss", cp.loss_for_logging(scaled, shard),
+              world * kl.detach())
     for n, a, b in (("d_query", q_l, q), ("d_kv", kv_l, kv), ("d_query_rope", qr_l, qr), ("d_key_rope", kr_l, kr),
                     ("d_index_query", iq_l, iq), ("d_index_key", ik_l, ik), ("d_weights", w_l, w)):
         chk.close(n, a.grad, rows(b.grad))
@@ -262,6 +267,9 @@ def case_v4(chk, world, rank, cfg, ratio, use_indexer):
                     icomp = cp.compressor(ikv, ig, ib, ratio=ratio, shard=shard).compressed
                     cidx = cp.indexer(iq, icomp, w, shard=shard, topk=K, cmp_ratio=ratio)
                 results["cmp_indices"] = cidx
+                # dense indexer LSE over the compressed keys (cmp_ratio > 1)
+                results["cmp_lse"] = (dsa.dsa_dense_indexer_lse(iq, icomp, w, cmp_ratio=ratio, **lens) if shard is None
+                                      else cp.dense_indexer_lse(iq, icomp, w, shard=shard, cmp_ratio=ratio))
             if shard is None:
                 out, mx, sm = dsa.dsa_sparse_attention(q, kv, None, scale=scale, window=window, cmp_kv=comp.compressed,
                                                        cmp_indices=cidx, cmp_ratio=ratio, sinks=sinks, **lens)
@@ -293,7 +301,7 @@ def case_v4(chk, world, rank, cfg, ratio, use_indexer):
     args["kv"] = cp.gather(loc["kv"], shard)
     got = run(*args.values(), rows(g_up), shard)
     chk.true(f"mode {got['mode']} != {ref['mode']}", got["mode"] is ref["mode"])
-    for n in ("out", "softmax_max", "softmax_sum", "cmp_indices"):
+    for n in ("out", "softmax_max", "softmax_sum", "cmp_indices", "cmp_lse"):
         if n in ref:
             chk.close(n, got[n], rows(ref[n]))
     if "compressed" in ref:
@@ -358,6 +366,71 @@ def case_zigzag(chk, world, rank):
     for n, a, b in (("d_query", q_l, q), ("d_kv", kv_l, kv), ("d_index_query", iq_l, iq), ("d_index_key", ik_l, ik),
                     ("d_weights", w_l, w)):
         chk.close(n, a.grad, rows(b.grad))
+
+
+def case_zigzag_v4(chk, world, rank, ratio, use_indexer):
+    """BSND zigzag V4: sliding window + compressed part with sinks (CSA: indexer on the
+    indexer's own compressed keys, KL on the compressed selection; HCA: every entry)."""
+    S, lens = ZIGZAG[world]
+    B, H, D, Hi, Di, window, K = len(lens), 4, 32, 2, 16, 4, 2
+    overlap = ratio == 4
+    coff = 2 if overlap else 1
+    r = _gen(23 + ratio)
+    glob = dict(q=r(B, S, H, D), kv=r(B, S, D), ckv=r(B, S, coff * D), cg=r(B, S, coff * D),
+                cb=r(ratio, coff * D, s=0.5), ikv=r(B, S, coff * Di), ig=r(B, S, coff * Di),
+                ib=r(ratio, coff * Di, s=0.5), iq=r(B, S, Hi, Di), w=r(B, S, Hi), sinks=r(H))
+    valid = (torch.arange(S)[None, :] < torch.tensor(lens)[:, None])[..., None, None]
+    g_up = r(B, S, H, D) * valid
+    scale = D ** -0.5
+    replicated = ("cb", "ib", "sinks")
+
+    def run(t, up, shard):
+        if shard is None:
+            lensd = dict(query_lengths=lens, key_lengths=lens, layout="BSND")
+            comp = compress_for_layer(t["ckv"], t["cg"], t["cb"], ratio=ratio, query_lengths=lens, layout="BSND")
+            icomp = dsa.dsa_compressor(t["ikv"], t["ig"], t["ib"], ratio=ratio, query_lengths=lens,
+                                       layout="BSND")[0] if use_indexer else None
+            ind = lambda *a, **k: dsa.dsa_indexer(*a, **k, **lensd)  # noqa: E731
+            att = lambda *a, **k: dsa.dsa_sparse_attention(*a, **k, **lensd)  # noqa: E731
+            kl_fn = lambda *a, **k: dsa.dsa_kl_loss(*a, **k, **lensd)  # noqa: E731
+            kv = t["kv"]
+        else:
+            comp = cp.compressor(t["ckv"], t["cg"], t["cb"], ratio=ratio, shard=shard)
+            icomp = cp.compressor(t["ikv"], t["ig"], t["ib"], ratio=ratio, shard=shard).compressed if use_indexer else None
+            ind = lambda *a, **k: cp.indexer(*a, **k, shard=shard)  # noqa: E731
+            att = lambda *a, **k: cp.sparse_attention(*a, **k, shard=shard)  # noqa: E731
+            kl_fn = lambda *a, **k: cp.kl_loss(*a, **k, shard=shard)  # noqa: E731
+            kv = cp.gather(t["kv"], shard)
+        res = {"mode": comp.mode, "compressed": comp.compressed}
+        cidx = ind(t["iq"], icomp, t["w"], topk=K, cmp_ratio=ratio) if use_indexer else None
+        out, mx, sm = att(t["q"], kv, None, scale=scale, window=window, cmp_kv=comp.compressed, cmp_indices=cidx,
+                          cmp_ratio=ratio, sinks=t["sinks"])
+        kl = kl_fn(t["q"], comp.compressed, cidx, mx, sm, t["iq"], icomp, t["w"], scale=scale, sinks=t["sinks"],
+                   cmp_ratio=ratio) if use_indexer else 0
+        ((out * up).sum() + kl).backward()
+        res.update(out=out, softmax_max=mx, softmax_sum=sm, cmp_indices=cidx, kl=kl)
+        return res
+
+    ref_t = {n: _leaf(v) for n, v in glob.items()}
+    ref = run(ref_t, g_up, None)
+    shard = cp.zigzag_shard(S, lens)
+    rows = lambda t: cp.shard_rows(t, shard)  # noqa: E731
+    loc = {n: _leaf(v if n in replicated else rows(v)) for n, v in glob.items()}
+    got = run(loc, rows(g_up), shard)
+    chk.true("mode", got["mode"] is ref["mode"] is not LayerCompressMode.NO_COMPRESS)
+    chk.close("compressed", got["compressed"].detach(), ref["compressed"].detach())
+    for n in ("out", "softmax_max", "softmax_sum") + (("cmp_indices",) if use_indexer else ()):
+        chk.close(n, got[n], rows(ref[n]))
+    if use_indexer:
+        chk.close("kl (sum of shares)", cp.loss_for_logging(got["kl"], shard), ref["kl"].detach())
+    for n in glob:
+        if not use_indexer and n in ("ikv", "ig", "ib", "iq", "w"):
+            continue
+        want = ref_t[n].grad
+        if n in replicated:
+            chk.close(f"d_{n} (summed over ranks)", None if loc[n].grad is None else _summed(loc[n].grad), want)
+        else:
+            chk.close(f"d_{n}", loc[n].grad, rows(want))
 
 
 def case_zigzag_dense(chk, world, rank):
@@ -425,5 +498,7 @@ def cases(world):
     out.append(("v4_fallback_decided_globally", case_v4_fallback))
     out.append(("bsnd_zigzag", case_zigzag))
     out.append(("bsnd_zigzag_dense", case_zigzag_dense))
+    out.append(("bsnd_zigzag_v4_csa", lambda c, w, r: case_zigzag_v4(c, w, r, 4, True)))
+    out.append(("bsnd_zigzag_v4_hca8", lambda c, w, r: case_zigzag_v4(c, w, r, 8, False)))
     out.append(("mismatched_lengths", case_mismatch))
     return out

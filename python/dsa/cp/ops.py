@@ -128,21 +128,25 @@ def _check_gathered(t: Optional[torch.Tensor], rows: int, name: str, dim: int = 
 # -- V4 compressor ---------------------------------------------------------------------------
 
 def compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, *, ratio: int,
-               shard: TNDShard, overlap: Optional[bool] = None, backend: str = "auto") -> CompressedKV:
-    """The layer compressor under CP (TND): returns ``CompressedKV`` whose ``compressed`` is
+               shard: Shard, overlap: Optional[bool] = None, backend: str = "auto") -> CompressedKV:
+    """The layer compressor under CP. TND: returns ``CompressedKV`` whose ``compressed`` is
     the *global* compressed stream (gathered, differentiable) and ``compressed_lengths`` its
     global cumulative ends. Each entry is computed once, by the rank holding the last token
     of its block, from a halo of earlier ranks' rows; the gather's backward returns each
     owner the gradient of its entries, and the halo gather's backward returns the halo rows'
     gradient to their ranks. The ratio-1 fallback (spec 4.5) is decided from the global
-    count, identically on every rank. Collective: every rank must call it."""
-    if not isinstance(shard, TNDShard):
-        raise ValueError("shard: dsa.cp.compressor takes a TNDShard (BSND zigzag compression is not implemented)")
+    count, identically on every rank. BSND zigzag: local ``[B, 2c, C]`` inputs, the whole
+    ``[B, S // m, c]`` compressed tensor in natural order (see ``_compressor_zigzag``).
+    Collective: every rank must call it."""
     mode = layer_compress_mode(ratio)
     if mode is LayerCompressMode.NO_COMPRESS:
         return CompressedKV(mode, 1, None, None)
     if overlap is None:
         overlap = mode is LayerCompressMode.INDEXER
+    if isinstance(shard, ZigzagShard):
+        return _compressor_zigzag(kv, gate, position_bias, ratio, overlap, shard, mode, backend)
+    if not isinstance(shard, TNDShard):
+        raise ValueError(f"shard: expected a TNDShard or ZigzagShard, got {type(shard).__name__}")
     if kv.shape[0] != shard.local_rows or gate.shape != kv.shape:
         raise ValueError(f"kv, gate: expected [{shard.local_rows}, C] local rows of the same shape, "
                          f"got {list(kv.shape)} and {list(gate.shape)}")
@@ -177,6 +181,23 @@ def compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor
     owned = tie(owned, tails_g, kv, gate, position_bias)
     cmp_g = all_gather_rows(owned, plan.owned_counts, shard.rank, shard.group, 0)
     return CompressedKV(mode, ratio, cmp_g, shard.cmp_ends(ratio))
+
+
+def _compressor_zigzag(kv, gate, position_bias, ratio, overlap, shard, mode, backend) -> CompressedKV:
+    """BSND zigzag: every rank compresses the whole gathered [B, S] stream (replicated
+    compute; the compressor is cheap next to attention). Still exact for the gradients:
+    rank r's copy only receives rank r's attention gradient, and the gathers' backward
+    sums the copies' input gradients over ranks; ``position_bias`` gets rank r's part, to
+    be summed over ranks like every replicated parameter."""
+    if kv.dim() != 3 or kv.shape[1] != 2 * shard.chunk or gate.shape != kv.shape:
+        raise ValueError(f"kv, gate: expected local [B, {2 * shard.chunk}, C] of the same shape, "
+                         f"got {list(kv.shape)} and {list(gate.shape)}")
+    if sum(n // ratio for n in shard.lengths) == 0:
+        return CompressedKV(LayerCompressMode.NO_COMPRESS, 1, None, None)
+    kv_g, gate_g = gather(kv, shard), gather(gate, shard)
+    out, lengths = dsa_compressor(kv_g, gate_g, position_bias, ratio=ratio, overlap=overlap,
+                                  query_lengths=list(shard.lengths), layout="BSND", backend=backend)
+    return CompressedKV(mode, ratio, out, lengths)
 
 
 # -- op wrappers -------------------------------------------------------------------------------
