@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["all_gather_rows", "tie", "all_reduce_count"]
+__all__ = ["all_gather_rows", "tie", "all_reduce_count", "comm_device"]
 
 
 def _dist():
@@ -14,6 +14,16 @@ def _dist():
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("dsa.cp: torch.distributed is not initialised (call init_process_group first)")
     return dist
+
+
+def comm_device(group=None) -> torch.device:
+    """Where small metadata tensors (counts, fingerprints) must live for the group's backend:
+    NCCL only moves CUDA tensors, gloo moves CPU ones."""
+    dist = _dist()
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and "gloo" not in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _gather_rows(x: torch.Tensor, counts: Sequence[int], group, dim: int) -> torch.Tensor:
@@ -91,6 +101,6 @@ def tie(out: torch.Tensor, *deps: Optional[torch.Tensor]) -> torch.Tensor:
 def all_reduce_count(n: int, group=None, device=None) -> int:
     """Sum of an integer over the group (no gradient)."""
     dist = _dist()
-    t = torch.tensor([int(n)], dtype=torch.int64, device=device)
+    t = torch.tensor([int(n)], dtype=torch.int64, device=device if device is not None else comm_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return int(t.item())

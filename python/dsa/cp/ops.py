@@ -18,7 +18,7 @@ from ..indexer import dsa_indexer
 from ..kl_loss import dsa_kl_loss
 from ..layer import CompressedKV, LayerCompressMode, layer_compress_mode
 from ..sparse_attention import dsa_sparse_attention
-from .comm import _dist, all_gather_rows, all_reduce_count, tie
+from .comm import _dist, all_gather_rows, all_reduce_count, comm_device, tie
 from .shard import TNDShard, ZigzagShard, _check_ends
 
 Shard = Union[TNDShard, ZigzagShard]
@@ -56,10 +56,10 @@ def tnd_shard(doc_ends, local_rows: int, *, group=None, ring_degree: int = 1) ->
         raise ValueError(f"local_rows: expected an integer >= 0, got {local_rows!r}")
     dist = _dist()
     rank, world = _rank_world(group)
-    mine = torch.tensor([local_rows, len(ends), _fingerprint(ends)], dtype=torch.int64)
+    mine = torch.tensor([local_rows, len(ends), _fingerprint(ends)], dtype=torch.int64, device=comm_device(group))
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
-    table = torch.stack(parts).tolist()
+    table = torch.stack(parts).cpu().tolist()
     if any(row[1:] != table[0][1:] for row in table):
         bad = [q for q, row in enumerate(table) if row[1:] != table[0][1:]]
         raise ValueError(f"doc_ends: ranks {bad} passed global document ends that differ from rank 0's "
@@ -83,10 +83,10 @@ def zigzag_shard(seq_len: int, lengths=None, *, batch: Optional[int] = None, gro
     lens = [int(v) for v in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
     dist = _dist()
     rank, world = _rank_world(group)
-    mine = torch.tensor([seq_len, len(lens), _fingerprint(lens)], dtype=torch.int64)
+    mine = torch.tensor([seq_len, len(lens), _fingerprint(lens)], dtype=torch.int64, device=comm_device(group))
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
-    table = torch.stack(parts).tolist()
+    table = torch.stack(parts).cpu().tolist()
     if any(row != table[0] for row in table):
         bad = [q for q, row in enumerate(table) if row != table[0]]
         raise ValueError(f"lengths: ranks {bad} passed seq_len or row lengths that differ from rank 0's "
