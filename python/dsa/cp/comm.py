@@ -40,10 +40,8 @@ def _gather_rows(x: torch.Tensor, counts: Sequence[int], group, dim: int) -> tor
 
 
 class _AllGatherRows(torch.autograd.Function):
-    """Forward: concatenate every rank's rows (rank order). Backward: sum the gathered
-    gradient over ranks and return each rank its own rows (a reduce-scatter; done as
-    all_reduce + narrow, which gloo supports for uneven runs; 2x the traffic of a true
-    reduce-scatter, negligible next to attention for one shared KV head)."""
+    """Forward: concatenate every rank's rows (rank order). Backward: a reduce-scatter, which
+    sums the gathered gradient over ranks and returns each rank its own rows."""
 
     @staticmethod
     def forward(ctx, x, counts, rank, group, dim):
@@ -58,10 +56,12 @@ class _AllGatherRows(torch.autograd.Function):
         g = grad.movedim(ctx.dim, 0).contiguous()
         # Sum half-precision partial gradients in fp32: a single process accumulates every
         # key's gradient in fp32 and rounds once; W roundings of the running sum would not.
-        g = g.to(torch.float32) if g.dtype in (torch.bfloat16, torch.float16) else g.clone()
-        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=ctx.group)
-        start = sum(ctx.counts[:ctx.rank])
-        mine = g[start:start + ctx.counts[ctx.rank]].movedim(0, ctx.dim).to(grad.dtype).contiguous()
+        if g.dtype in (torch.bfloat16, torch.float16):
+            g = g.to(torch.float32)
+        mine = g.new_empty((ctx.counts[ctx.rank],) + tuple(g.shape[1:]))
+        # Uneven list reduce-scatter (gloo and NCCL both take it on the pinned torch).
+        dist.reduce_scatter(mine, list(g.split(list(ctx.counts), 0)), op=dist.ReduceOp.SUM, group=ctx.group)
+        mine = mine.movedim(0, ctx.dim).to(grad.dtype).contiguous()
         return mine, None, None, None, None
 
 
