@@ -176,9 +176,10 @@ def compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor
         owned = out[plan.drop:]
     else:
         owned = kv.new_zeros((0, c))
-    # Keep every input in this rank's graph, so the halo gather's backward runs here too and
-    # position_bias / kv / gate get a (zero) gradient on a rank that owns no entry.
-    owned = tie(owned, tails_g, kv, gate, position_bias)
+    # Keep the tails gather in this rank's graph even when no halo row is read here, so its
+    # backward collective runs on every rank; on a rank that owns no entry, kv / gate /
+    # position_bias also get a (zero) gradient instead of None.
+    owned = tie(owned, tails_g) if plan.owned > 0 else tie(owned, tails_g, kv, gate, position_bias)
     cmp_g = all_gather_rows(owned, plan.owned_counts, shard.rank, shard.group, 0)
     return CompressedKV(mode, ratio, cmp_g, shard.cmp_ends(ratio))
 
