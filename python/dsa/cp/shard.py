@@ -1,0 +1,276 @@
+"""Shard metadata for context parallelism: pure integer math, no processes.
+
+Notation (docs/context_parallel.md): W ranks; the packed stream of T tokens is split
+contiguously, rank r holding global rows ``[o_r, E_r)``; document i spans ``[s_i, e_i)``.
+Every rank runs the normal ops on its local queries against the *prefix* ``[0, E_r)`` of
+the gathered key stream, keeping every document (empty segments allowed), so bottom-right
+alignment (spec/ops.md section 1) supplies the causal offset and the kernels need no CP
+knowledge.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["TNDShard", "ZigzagShard", "CompressorPlan"]
+
+
+def _check_ends(doc_ends: Sequence[int], name: str = "doc_ends") -> tuple[int, ...]:
+    if isinstance(doc_ends, torch.Tensor):
+        doc_ends = doc_ends.tolist()
+    ends = []
+    for v in doc_ends:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name}: lengths must be integers, got {v!r}")
+        ends.append(v)
+    if not ends:
+        raise ValueError(f"{name}: expected at least one document, got an empty list")
+    prev = 0
+    for v in ends:
+        if v < prev:
+            raise ValueError(f"{name}: cumulative ends must be non-decreasing and >= 0, got {ends}")
+        prev = v
+    return tuple(ends)
+
+
+@dataclass(frozen=True)
+class CompressorPlan:
+    """What rank r computes of a compressor of ratio m (owner-computes rule: an entry is
+    computed by the rank holding the last token of its block).
+
+    ``halo_start``: first global row of the local compressor input; rows
+    ``[halo_start, row_start)`` come from earlier ranks (at most m-1 rows, 2m-1 with overlap).
+    ``segment_ends``: cumulative ends (relative to ``halo_start``) of the per-document
+    segments of ``[halo_start, row_end)``; ``drop``: leading entries of the local call that
+    another rank owns (the overlap's previous block, recomputed only to be discarded);
+    ``owned``: entries this rank contributes; ``owned_counts``: every rank's ``owned``
+    (their concatenation in rank order is the global compressed stream)."""
+    ratio: int
+    overlap: bool
+    halo_start: int
+    segment_ends: tuple[int, ...]
+    drop: int
+    owned: int
+    owned_counts: tuple[int, ...]
+    max_halo: int                 # rows of its tail every rank sends for halos
+
+
+@dataclass(frozen=True)
+class TNDShard:
+    """A contiguous split of a packed TND stream over ``world_size`` ranks.
+
+    ``doc_ends``: the global cumulative document ends (spec form, no leading 0), identical
+    on every rank; ``offsets``: ``o_0 = 0 <= o_1 <= ... <= o_W = T`` (uneven and empty
+    runs allowed). Build one with ``dsa.cp.tnd_shard`` (which all-gathers the local row
+    counts and checks that all ranks agree) or directly for single-process use.
+    """
+    rank: int
+    world_size: int
+    doc_ends: tuple[int, ...]
+    offsets: tuple[int, ...]
+    group: Optional[object] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "doc_ends", _check_ends(self.doc_ends))
+        offs = tuple(int(v) for v in self.offsets)
+        object.__setattr__(self, "offsets", offs)
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size={self.world_size}, got {self.rank}")
+        if len(offs) != self.world_size + 1 or offs[0] != 0 or any(b < a for a, b in zip(offs, offs[1:])):
+            raise ValueError(f"offsets: expected W+1 non-decreasing row offsets from 0, got {list(offs)}")
+        if offs[-1] != self.doc_ends[-1]:
+            raise ValueError(f"doc_ends: the last end ({self.doc_ends[-1]}) must equal the total row count "
+                             f"of all ranks ({offs[-1]})")
+
+    # -- rows ----------------------------------------------------------------------------
+    @property
+    def total_rows(self) -> int:
+        return self.offsets[-1]
+
+    @property
+    def row_start(self) -> int:
+        return self.offsets[self.rank]
+
+    @property
+    def row_end(self) -> int:
+        return self.offsets[self.rank + 1]
+
+    @property
+    def local_rows(self) -> int:
+        return self.row_end - self.row_start
+
+    @property
+    def local_counts(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.offsets, self.offsets[1:]))
+
+    @property
+    def doc_starts(self) -> tuple[int, ...]:
+        return (0,) + self.doc_ends[:-1]
+
+    # -- lengths for the ops (keep-all-documents form) ------------------------------------
+    @property
+    def query_lengths(self) -> list[int]:
+        """Cumulative ends of the local query segments: ``clamp(ends - o_r, 0, T_r)``."""
+        o, t = self.row_start, self.local_rows
+        return [min(max(e - o, 0), t) for e in self.doc_ends]
+
+    @property
+    def key_lengths(self) -> list[int]:
+        """Cumulative ends of the prefix key segments: ``min(ends, E_r)``; the last is ``kv_rows``."""
+        return [min(e, self.row_end) for e in self.doc_ends]
+
+    @property
+    def kv_rows(self) -> int:
+        """Rows of the gathered raw key stream this rank's calls read (the prefix ``[0, E_r)``)."""
+        return self.row_end
+
+    def _cmp_before(self, row: int, ratio: int) -> int:
+        """Global compressed entries whose block ends before ``row`` (i.e. the prefix count)."""
+        return sum(min(max(row - s, 0), e - s) // ratio for s, e in zip(self.doc_starts, self.doc_ends))
+
+    def cmp_rows(self, ratio: int) -> int:
+        """Rows of the gathered compressed stream this rank's calls read: ``sum_i P_i // m``."""
+        _check_ratio(ratio)
+        return self._cmp_before(self.row_end, ratio)
+
+    def cmp_total(self, ratio: int) -> int:
+        _check_ratio(ratio)
+        return self._cmp_before(self.total_rows, ratio)
+
+    def cmp_ends(self, ratio: int) -> list[int]:
+        """Global compressed cumulative ends (per document ``L_i // m``)."""
+        _check_ratio(ratio)
+        out, acc = [], 0
+        for s, e in zip(self.doc_starts, self.doc_ends):
+            acc += (e - s) // ratio
+            out.append(acc)
+        return out
+
+    # -- positions ------------------------------------------------------------------------
+    def positions(self, device=None) -> torch.Tensor:
+        """Position inside its document of every local row (int64 ``[T_r]``, for RoPE)."""
+        o, end = self.row_start, self.row_end
+        pos = torch.empty(self.local_rows, dtype=torch.int64)
+        for s, e in zip(self.doc_starts, self.doc_ends):
+            a, b = max(s, o), min(e, end)
+            if a < b:
+                pos[a - o:b - o] = torch.arange(a - s, b - s)
+        return pos if device is None else pos.to(device)
+
+    def cmp_positions(self, ratio: int, device=None) -> torch.Tensor:
+        """RoPE position ``w * m`` (document coordinates) of every global compressed entry."""
+        _check_ratio(ratio)
+        parts = [torch.arange((e - s) // ratio, dtype=torch.int64) * ratio
+                 for s, e in zip(self.doc_starts, self.doc_ends)]
+        pos = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        return pos if device is None else pos.to(device)
+
+    # -- compressor ownership -------------------------------------------------------------
+    def owned_cmp_counts(self, ratio: int) -> tuple[int, ...]:
+        """Entries each rank computes: those whose block's last token it holds."""
+        _check_ratio(ratio)
+        return tuple(self._cmp_before(b, ratio) - self._cmp_before(a, ratio)
+                     for a, b in zip(self.offsets, self.offsets[1:]))
+
+    def compressor_plan(self, ratio: int, overlap: bool) -> CompressorPlan:
+        _check_ratio(ratio)
+        o, end = self.row_start, self.row_end
+        halo_start, drop = o, 0
+        segments: list[tuple[int, int]] = []
+        for s, e in zip(self.doc_starts, self.doc_ends):
+            a, b = max(s, o), min(e, end)
+            if a >= b:
+                continue
+            if s < o:
+                # The document started on an earlier rank: start the local call at the block
+                # holding this rank's first owned entry (and, with overlap, the block before,
+                # whose entry is recomputed only to feed the overlap and then dropped).
+                w_lo = (o - s) // ratio
+                if (b - s) // ratio > w_lo:
+                    ov = 1 if overlap and w_lo >= 1 else 0
+                    halo_start = s + (w_lo - ov) * ratio
+                    drop = ov
+                    a = halo_start
+            segments.append((a, b))
+        ends, acc = [], 0
+        for a, b in segments:
+            acc += b - a
+            ends.append(acc)
+        counts = self.owned_cmp_counts(ratio)
+        # Entries of the local call must be exactly drop + owned (checked here, cheaply).
+        made = sum((b - a) // ratio for a, b in segments)
+        if made != drop + counts[self.rank]:
+            raise AssertionError(f"compressor plan: {made} local entries, expected {drop} + {counts[self.rank]}")
+        return CompressorPlan(ratio, overlap, halo_start, tuple(ends), drop, counts[self.rank], counts,
+                              (2 * ratio - 1) if overlap else (ratio - 1))
+
+
+def _check_ratio(ratio) -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
+        raise ValueError(f"ratio: expected an integer >= 1, got {ratio!r}")
+
+
+@dataclass(frozen=True)
+class ZigzagCall:
+    """One of a rank's two BSND calls: its query chunk and per-row lengths."""
+    chunk: int                   # natural chunk index of the queries (0 .. 2W-1)
+    query_slice: slice           # rows of the local [B, 2c, ...] tensor
+    query_lengths: list[int]     # clamp(L_b - chunk*c, 0, c)
+    key_lengths: list[int]       # min(L_b, (chunk+1)*c)
+
+
+@dataclass(frozen=True)
+class ZigzagShard:
+    """BSND zigzag split: the sequence axis (length S, ``S % 2W == 0``) is cut into 2W chunks
+    of ``c = S / 2W``; rank r holds natural chunks r and 2W-1-r, in that order, as its local
+    ``[B, 2c, ...]``. Gathered key tensors are put back in natural order, so both calls take
+    the whole ``[B, S, ...]`` key tensor with explicit key lengths (never None: None would
+    mean the full S and push every query to the end of the row)."""
+    rank: int
+    world_size: int
+    seq_len: int
+    lengths: tuple[int, ...]     # valid length of each batch row (global)
+    group: Optional[object] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        w = self.world_size
+        if w < 1 or not 0 <= self.rank < w:
+            raise ValueError(f"rank: expected 0 <= rank < world_size={w}, got {self.rank}")
+        if self.seq_len % (2 * w):
+            raise ValueError(f"seq_len: expected a multiple of 2*world_size={2 * w}, got {self.seq_len}")
+        lens = tuple(int(v) for v in self.lengths)
+        if not lens or any(v < 0 or v > self.seq_len for v in lens):
+            raise ValueError(f"lengths: expected valid row lengths in [0, {self.seq_len}], got {list(lens)}")
+        object.__setattr__(self, "lengths", lens)
+
+    @property
+    def chunk(self) -> int:
+        return self.seq_len // (2 * self.world_size)
+
+    @property
+    def chunks(self) -> tuple[int, int]:
+        return self.rank, 2 * self.world_size - 1 - self.rank
+
+    def rank_chunks(self, rank: int) -> tuple[int, int]:
+        return rank, 2 * self.world_size - 1 - rank
+
+    @property
+    def calls(self) -> tuple[ZigzagCall, ZigzagCall]:
+        c = self.chunk
+        out = []
+        for slot, k in enumerate(self.chunks):
+            out.append(ZigzagCall(k, slice(slot * c, (slot + 1) * c),
+                                  [min(max(n - k * c, 0), c) for n in self.lengths],
+                                  [min(n, (k + 1) * c) for n in self.lengths]))
+        return tuple(out)
+
+    def gathered_order(self) -> list[int]:
+        """Natural chunk index of each chunk of the rank-major gathered tensor."""
+        return [k for r in range(self.world_size) for k in self.rank_chunks(r)]
+
+    def local_index(self) -> torch.Tensor:
+        """Natural sequence positions of the local rows (int64 ``[2c]``)."""
+        c = self.chunk
+        return torch.cat([torch.arange(k * c, (k + 1) * c) for k in self.chunks])
