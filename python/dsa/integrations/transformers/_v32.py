@@ -108,6 +108,7 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
             # Row positions -> positions in the query's document (other documents fall out as < 0
             # or as invisible).
             indices = indices - geom.doc_starts.unsqueeze(-1).to(indices.dtype)
+        indices = geom.flat(indices)
         if loss_kind is not None:
             iq, ik, iw = _index_tensors(ix, hidden_states, q_resid, position_embeddings, past_key_values, True,
                                         update_cache=False)
@@ -119,11 +120,11 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
 
     # Dense warm-up (indices=None): dense causal attention on the latent.
     out, smax, ssum = dsa_sparse_attention(
-        geom.flat(query), geom.flat(kv), None if indices is None else geom.flat(indices), scale=self.scaling,
+        geom.flat(query), geom.flat(kv), indices, scale=self.scaling,
         d_v=rank, query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
         backend=opts.backend)
     if loss_kind == "sparse":
-        kl = dsa_kl_loss(geom.flat(query).detach(), geom.flat(kv).detach(), geom.flat(indices), smax, ssum,
+        kl = dsa_kl_loss(geom.flat(query).detach(), geom.flat(kv).detach(), indices, smax, ssum,
                          geom.flat(iq), geom.flat(ik), geom.flat(iw), scale=self.scaling, index_scale=ix.softmax_scale,
                          query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
                          loss_coefficient=opts.loss_coefficient, backend=opts.backend)

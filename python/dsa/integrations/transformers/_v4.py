@@ -169,19 +169,19 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
                     cmp_idx = _select(ix, iq, ik, iw, geom, opts)
             else:
                 cmp_idx = ix(hidden_states, q_residual, position_ids, past_key_values, self.layer_idx)
-                cmp_idx = cmp_idx.to(torch.int32) if cmp_idx.shape[-1] > 0 else None
+                cmp_idx = geom.flat(cmp_idx.to(torch.int32)) if cmp_idx.shape[-1] > 0 else None
         if count > 0 and (not csa or cmp_idx is not None):
             cmp_kv, ratio = entries, comp.compress_rate
 
     sinks = self.sinks.float()
     out, smax, ssum = dsa_sparse_attention(
         geom.flat(q), geom.flat(kv), None, scale=self.scaling, window=self.sliding_window, cmp_kv=cmp_kv,
-        cmp_indices=geom.flat(cmp_idx) if cmp_kv is not None and cmp_idx is not None else None, cmp_ratio=ratio,
+        cmp_indices=cmp_idx if cmp_kv is not None else None, cmp_ratio=ratio,
         sinks=sinks, query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
         backend=opts.backend)
     if kl_inputs is not None and cmp_kv is not None and opts.indexer_loss == "sparse" and torch.is_grad_enabled():
         iq, ik, iw = kl_inputs
-        kl = dsa_kl_loss(geom.flat(q).detach(), cmp_kv.detach(), geom.flat(cmp_idx), smax, ssum, geom.flat(iq), ik,
+        kl = dsa_kl_loss(geom.flat(q).detach(), cmp_kv.detach(), cmp_idx, smax, ssum, geom.flat(iq), ik,
                          geom.flat(iw), scale=self.scaling, index_scale=comp.indexer.scorer.softmax_scale,
                          sinks=sinks.detach(), cmp_ratio=ratio, query_lengths=geom.query_lengths,
                          key_lengths=geom.key_lengths, layout=geom.layout, loss_coefficient=opts.loss_coefficient,
