@@ -244,12 +244,14 @@ def test_indexer_gets_gradient_only_with_indexer_loss(kind):
         torch.testing.assert_close(v, 2 * losses[k], rtol=1e-6, atol=0)
 
 
-def test_v32_sparse_indexer_loss_against_the_model_probabilities():
+@pytest.mark.parametrize("loss, topk", [("sparse", 8), ("dense", 64)])
+def test_v32_indexer_loss_against_the_model_probabilities(loss, topk):
     """The KL's value from first principles: teacher = the unpatched model's own attention
     probabilities (output_attentions) on the selected keys, summed over heads and
-    normalised; student = softmax of the model's own indexer scores over the same keys."""
+    normalised; student = softmax of the model's own indexer scores over the same keys.
+    With top-k >= S the model's sparse attention is dense: the dense warm-up's oracle."""
     import torch.nn.functional as F
-    model = build("v32").double()
+    model = build("v32", index_topk=topk).double()
     model.config._experts_implementation = "eager"
     ids = _ids(2, 40)
     probs, scores = {}, {}
@@ -286,9 +288,34 @@ def test_v32_sparse_indexer_loss_against_the_model_probabilities():
         student = torch.log_softmax(sc.masked_fill(~selected, float("-inf")), -1)
         kl = torch.where(p > 0, p * (torch.log(p) - student), torch.zeros_like(p)).sum(-1)
         expected[f"model.layers.{i}.self_attn"] = kl.mean()
-    patched = patch(copy.deepcopy(model).float(), indexer_loss="sparse")
+    patched = patch(copy.deepcopy(model).float(), indexer_loss=loss)
     run(patched, ids, use_cache=False)
     got = indexer_losses(patched)
     assert set(got) == set(expected)
     for k in got:
         assert abs(float(got[k]) - float(expected[k])) <= 1e-4 * abs(float(expected[k])) + 1e-6, (k, got[k], expected[k])
+
+
+def test_v32_dense_warmup_parity_and_frozen_main_model():
+    """Dense warm-up: dense causal attention, so against the unpatched model whose top-k
+    covers every key; the indexer trains, alone when the main model is frozen."""
+    model = build("v32", index_topk=64)
+    ids = _ids(2, 40)
+    patched, naive, oracle = three(model, torch.float32, dict(indexer_loss="dense"))
+    for m in patched.modules():  # the patch must not read the model's top-k in this stage
+        if hasattr(m, "index_topk"):
+            m.index_topk = 4
+    res = [run(m, ids, use_cache=False) for m in (patched, naive, oracle)]
+    names = _indexer_params(model)
+    indexer_grads = {n: res[0][1][n] for n in names}
+    for n in names:
+        assert res[0][1][n] is not None and bool(res[0][1][n].abs().sum() > 0), n
+        res[0][1][n] = None  # the unpatched model gives the indexer no gradient
+    check_model(res[0], res[1], res[2], torch.float32)
+    frozen = patch(copy.deepcopy(model), indexer_loss="dense")
+    for n, p in frozen.named_parameters():
+        p.requires_grad_(n in names)
+    grads = run(frozen, ids, use_cache=False)[1]
+    assert all(grads[n] is not None for n in names) and all(grads[n] is None for n in grads if n not in names)
+    for n in names:  # the KL's gradient does not depend on the main model being trainable
+        assert torch.equal(grads[n], indexer_grads[n]), n
