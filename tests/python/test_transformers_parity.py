@@ -85,8 +85,9 @@ def test_v4_short_sequence_no_compressed_entry():
     _compare("v4", torch.float32, _ids(2, 3))
 
 
+@pytest.mark.parametrize("use_cache", [False, None], ids=["no_cache", "default_cache"])
 @pytest.mark.parametrize("kind", ["v4", "v32"])
-def test_right_padding(kind):
+def test_right_padding(kind, use_cache):
     ids = _ids(3, 37)
     mask = torch.ones_like(ids)
     lengths = [37, 30, 12]
@@ -95,7 +96,8 @@ def test_right_padding(kind):
     labels = ids.masked_fill(mask == 0, -100)
     model = build(kind)
     patched, naive, oracle = three(model, torch.float32)
-    res = [run(m, ids, labels=labels, attention_mask=mask, use_cache=False) for m in (patched, naive, oracle)]
+    # use_cache=None: the default, True even in training, so a cache is built and filled.
+    res = [run(m, ids, labels=labels, attention_mask=mask, use_cache=use_cache) for m in (patched, naive, oracle)]
     # Padded positions are garbage in the model and 0-attention in dsa; only valid ones compare.
     check_model(res[0], res[1], res[2], torch.float32, positions=mask.bool())
     assert fallback_counts(patched) == {}

@@ -319,3 +319,33 @@ def test_v32_dense_warmup_parity_and_frozen_main_model():
     assert all(grads[n] is not None for n in names) and all(grads[n] is None for n in grads if n not in names)
     for n in names:  # the KL's gradient does not depend on the main model being trainable
         assert torch.equal(grads[n], indexer_grads[n]), n
+
+
+def test_fallback_static_cache():
+    from transformers import StaticCache
+    model = build("v32").eval()
+    patched = patch(copy.deepcopy(model))
+    ids = _ids(1, 10)
+    with torch.no_grad():
+        ref = model(input_ids=ids, past_key_values=StaticCache(config=model.config, max_cache_len=32)).logits
+        with pytest.warns(UserWarning, match="cache layer"):
+            got = patched(input_ids=ids, past_key_values=StaticCache(config=model.config, max_cache_len=32)).logits
+    assert torch.equal(ref, got)
+    assert sum(fallback_counts(patched).values()) == model.config.num_hidden_layers
+
+
+def test_v32_li_only_cache_decode_patched():
+    from transformers import DynamicCache
+    model = build("v32").eval()
+    patched = patch(copy.deepcopy(model), sas=False, li=True)
+    oracle = copy.deepcopy(model).double()
+    ids = _ids(2, 36)
+    outs = {}
+    with torch.no_grad():
+        for name, m in (("naive", model), ("patched", patched), ("oracle", oracle)):
+            cache = DynamicCache(config=m.config)
+            parts = [m(input_ids=ids[:, :32], past_key_values=cache, use_cache=True).logits]
+            parts += [m(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(32, 36)]
+            outs[name] = torch.cat(parts, dim=1)
+    check_rule("li-only prefill + decode logits", outs["patched"], outs["naive"], outs["oracle"], torch.float32)
+    assert fallback_counts(patched) == {}

@@ -48,21 +48,23 @@ def _pool_torch(module, kv, gate, overlap: bool) -> torch.Tensor:
 def _compress(module, hidden_states, geom, use_dsa: bool, backend: str):
     """(compressed entries after kv_norm and RoPE, entry count, kv, gate).
 
-    BSND gives [B, S // m, c] (rows past a row's count are padding), TND [S_cmp, c]
-    with the documents back to back; RoPE positions restart per document."""
+    BSND gives [B, S // m, c] over whole rows, as the model pools them: entries holding
+    right padding are invisible to every valid query (the ops derive visibility from the
+    raw key lengths), and a cache then receives exactly the model's entries. TND gives
+    [S_cmp, c] with the documents back to back; RoPE positions restart per document."""
     m = module.compress_rate
     kv, gate = module.kv_proj(hidden_states), module.gate_proj(hidden_states)
     overlap = _is_csa(module)
     if use_dsa:
-        pooled, lengths = dsa_compressor(geom.flat(kv), geom.flat(gate), module.position_bias.float(), ratio=m,
-                                         overlap=overlap, query_lengths=geom.key_lengths, layout=geom.layout,
-                                         backend=backend)
-        count = lengths[-1] if geom.layout == "TND" else sum(lengths)
+        packed = geom.layout == "TND"
+        pooled, _ = dsa_compressor(geom.flat(kv), geom.flat(gate), module.position_bias.float(), ratio=m,
+                                   overlap=overlap, query_lengths=geom.key_lengths if packed else None,
+                                   layout=geom.layout, backend=backend)
     else:
         if geom.layout != "BSND":
             raise AssertionError("packed calls pool with dsa_compressor")
         pooled = _pool_torch(module, kv, gate, overlap)
-        count = sum(n // m for n in geom.doc_lengths)
+    count = pooled.shape[0] if geom.layout == "TND" else pooled.shape[0] * pooled.shape[1]
     x = module.kv_norm(pooled)
     if geom.layout == "TND":
         x = x.unsqueeze(0)
@@ -125,8 +127,6 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
     if reason is None and comp is not None:
         if geom.layout == "TND" and not (opts.compressor and (opts.li or not _is_csa(comp))):
             reason = "packed rows on a compressed layer without compressor=True (and li=True on CSA layers)"
-        elif past_key_values is not None and geom.padded:
-            reason = "padded rows and a cache on a compressed layer"
     if reason is not None:
         st.fallback(reason)
         return _original(self, hidden_states, position_embeddings, position_ids, attention_mask, past_key_values,
