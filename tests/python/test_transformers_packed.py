@@ -50,10 +50,10 @@ def _separate(model, ids, weight, rows):
     return logits, {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
 
 
-def _check(kind, packed_kwargs, rows=ROWS, overrides=None):
+def _check(kind, packed_kwargs, rows=ROWS, overrides=None, patch_kwargs=None):
     model = build(kind, **(overrides or {}))
     ids, pos, weight = _inputs(rows)
-    patched = patch(copy.deepcopy(model))
+    patched = patch(copy.deepcopy(model), **(patch_kwargs or {}))
     got = _packed(patched, ids, pos, weight, **packed_kwargs)
     naive = _separate(model, ids, weight, rows)
     oracle = _separate(copy.deepcopy(model).double(), ids, weight, rows)
@@ -76,6 +76,11 @@ def test_packed_with_default_use_cache(kind):
     # use_cache defaults to True in training: transformers then builds a plain causal mask
     # (documents see each other); the patch still runs the documents the position ids describe.
     _check(kind, dict())
+
+
+def test_packed_v32_li_only():
+    # The model's attention with dsa's per-document top-k (row positions, block-diagonal mask).
+    _check("v32", dict(use_cache=False), patch_kwargs=dict(sas=False, li=True))
 
 
 def test_packed_cu_seq_lens_v4():
