@@ -50,25 +50,31 @@ def _separate(model, ids, weight, rows):
     return logits, {n: p.grad.clone() if p.grad is not None else None for n, p in model.named_parameters()}
 
 
-def _check(kind, packed_kwargs, rows=ROWS, overrides=None, patch_kwargs=None):
+def _check(kind, packed_kwargs, rows=ROWS, overrides=None, patch_kwargs=None, dtype=torch.float32):
     model = build(kind, **(overrides or {}))
     ids, pos, weight = _inputs(rows)
-    patched = patch(copy.deepcopy(model), **(patch_kwargs or {}))
+    patched = patch(copy.deepcopy(model).to(dtype), **(patch_kwargs or {}))
     got = _packed(patched, ids, pos, weight, **packed_kwargs)
-    naive = _separate(model, ids, weight, rows)
+    naive = _separate(copy.deepcopy(model).to(dtype), ids, weight, rows)
     oracle = _separate(copy.deepcopy(model).double(), ids, weight, rows)
-    check_rule("packed logits", got[0], naive[0], oracle[0], torch.float32)
+    check_rule("packed logits", got[0], naive[0], oracle[0], dtype)
     for n in oracle[1]:
         if oracle[1][n] is None:
             assert got[1][n] is None, n
             continue
-        check_rule(f"grad {n}", got[1][n], naive[1][n], oracle[1][n], torch.float32)
+        check_rule(f"grad {n}", got[1][n], naive[1][n], oracle[1][n], dtype)
     assert fallback_counts(patched) == {}, fallback_counts(patched)
 
 
 @pytest.mark.parametrize("kind", ["v4", "v32"])
 def test_packed_position_ids(kind):
     _check(kind, dict(use_cache=False))
+
+
+@pytest.mark.parametrize("kind", ["v4", "v32"])
+def test_packed_bf16(kind):
+    # bf16 V4: a top-k covering every compressed entry (see test_all_on in test_transformers_parity.py).
+    _check(kind, dict(use_cache=False), dtype=torch.bfloat16, overrides=dict(index_topk=16) if kind == "v4" else None)
 
 
 @pytest.mark.parametrize("kind", ["v4", "v32"])

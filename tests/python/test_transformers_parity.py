@@ -85,19 +85,21 @@ def test_v4_short_sequence_no_compressed_entry():
     _compare("v4", torch.float32, _ids(2, 3))
 
 
-@pytest.mark.parametrize("use_cache", [False, None], ids=["no_cache", "default_cache"])
+@pytest.mark.parametrize("use_cache, dtype", [(False, torch.float32), (None, torch.float32), (None, torch.bfloat16)],
+                         ids=["no_cache-fp32", "default_cache-fp32", "default_cache-bf16"])
 @pytest.mark.parametrize("kind", ["v4", "v32"])
-def test_right_padding(kind, use_cache):
+def test_right_padding(kind, use_cache, dtype):
     ids = _ids(3, 37)
     mask = torch.ones_like(ids)
     lengths = [37, 30, 12]
     for b, n in enumerate(lengths):
         mask[b, n:] = 0
     labels = ids.masked_fill(mask == 0, -100)
-    model = build(kind)
-    patched, naive, oracle = three(model, torch.float32)
+    # bf16 V4: a top-k covering every compressed entry (see test_all_on).
+    model = build(kind, **(dict(index_topk=16) if kind == "v4" and dtype == torch.bfloat16 else {}))
+    patched, naive, oracle = three(model, dtype)
     # use_cache=None: the default, True even in training, so a cache is built and filled.
     res = [run(m, ids, labels=labels, attention_mask=mask, use_cache=use_cache) for m in (patched, naive, oracle)]
     # Padded positions are garbage in the model and 0-attention in dsa; only valid ones compare.
-    check_model(res[0], res[1], res[2], torch.float32, positions=mask.bool())
+    check_model(res[0], res[1], res[2], dtype, positions=mask.bool())
     assert fallback_counts(patched) == {}
