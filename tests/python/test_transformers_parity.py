@@ -51,6 +51,11 @@ def test_v4_real_ratios_long():
     _compare("v4", torch.float32, _ids(1, 300), overrides=V4_REAL)
 
 
+def test_v32_sdpa():
+    # V3.2's default attention implementation: its mask is boolean (True = attend).
+    _compare("v32", torch.float32, _ids(2, 40), overrides=dict(attn_implementation="sdpa"))
+
+
 def test_v32_yarn_scale():
     # The real checkpoint's yarn mscale changes the softmax scale: it must be self.scaling, not 576^-0.5.
     rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,

@@ -41,7 +41,9 @@ def test_off_unpatch_and_twin_are_bit_for_bit(kind):
     off = patch(copy.deepcopy(model), sas=False, li=False, compressor=False)
     _same_bits(run(off, ids, use_cache=False), reference)
     patched = patch(copy.deepcopy(model))
-    assert not torch.equal(run(patched, ids, use_cache=False)[0], reference[0])  # the patch does run
+    patched_run = run(patched, ids, use_cache=False)
+    assert not torch.equal(patched_run[0], reference[0])  # the patch does run
+    _same_bits(run(copy.deepcopy(patched), ids, use_cache=False), patched_run)  # a copy stays patched
     # Another model of the same class in the same process is untouched by the patched one.
     _same_bits(run(model, ids, use_cache=False), reference)
     unpatch(patched)

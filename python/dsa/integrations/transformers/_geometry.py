@@ -9,6 +9,7 @@ mask from silently changing the answer.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -176,12 +177,24 @@ def analyse(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], 
                     torch.tensor(starts, device=m.device).view(batch, seq))
 
 
+def _ref(t):
+    return None if t is None else weakref.ref(t)
+
+
+def _same(ref, t):
+    return (ref is None and t is None) or (ref is not None and t is not None and ref() is t)
+
+
 def cached_analyse(state, mask, position_ids, kwargs, batch, seq, past, window):
+    """analyse() once per mask: every layer of a forward (and a checkpointed layer's
+    recomputation) gets the same mask object. Weak references: an old mask is freed
+    as usual, and a freed one never matches a new tensor."""
     cu = kwargs.get("cu_seq_lens_q")
+    key = (batch, seq, past, window)
     for entry in state.geometry_cache:
-        if (entry[0] is mask and entry[1] is position_ids and entry[2] is cu and entry[3] == (batch, seq, past, window)):
+        if entry[3] == key and _same(entry[0], mask) and _same(entry[1], position_ids) and _same(entry[2], cu):
             return entry[4]
     geom = analyse(mask, position_ids, kwargs, batch, seq, past, window)
-    state.geometry_cache.insert(0, (mask, position_ids, cu, (batch, seq, past, window), geom))
+    state.geometry_cache.insert(0, (_ref(mask), _ref(position_ids), _ref(cu), key, geom))
     del state.geometry_cache[4:]
     return geom
