@@ -97,13 +97,22 @@ def check_rule(what, got, naive, oracle, dtype):
             f"{what}: rel err {err / max(scale, 1e-300):.3g} > 1e-4 (naive {naive_err / max(scale, 1e-300):.3g})")
 
 
-def check_model(patched_run, naive_run, oracle_run, dtype, positions=None, skip_none=()):
-    """Logits (optionally only at `positions`, a bool [B, S] mask) and every parameter's gradient."""
+def check_model(patched_run, naive_run, oracle_run, dtype, positions=None, indexer_trains=False):
+    """Logits (optionally only at `positions`, a bool [B, S] mask) and every parameter's
+    gradient. With `indexer_trains` (an indexer loss on) the indexer's parameters, which
+    the model never trains, must get non-zero gradients instead."""
     (lp, gp), (ln, gn), (lo, go) = patched_run[:2], naive_run[:2], oracle_run[:2]
     if positions is not None:
         lp, ln, lo = lp[positions], ln[positions], lo[positions]
     check_rule("logits", lp, ln, lo, dtype)
+    check_grads(gp, gn, go, dtype, indexer_trains)
+
+
+def check_grads(gp, gn, go, dtype, indexer_trains=False):
     for name in go:
+        if indexer_trains and ".indexer." in name:
+            assert go[name] is None and gp[name] is not None and bool(gp[name].abs().sum() > 0), name
+            continue
         if go[name] is None or gn[name] is None:
             assert gp[name] is None and gn[name] is None, f"{name}: gradient presence differs"
             continue

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from _hf_models import build, check_rule  # noqa: E402
+from _hf_models import build, check_grads, check_rule  # noqa: E402
 
 from dsa.integrations.transformers import fallback_counts, patch  # noqa: E402
 
@@ -58,11 +58,7 @@ def _check(kind, packed_kwargs, rows=ROWS, overrides=None, patch_kwargs=None, dt
     naive = _separate(copy.deepcopy(model).to(dtype), ids, weight, rows)
     oracle = _separate(copy.deepcopy(model).double(), ids, weight, rows)
     check_rule("packed logits", got[0], naive[0], oracle[0], dtype)
-    for n in oracle[1]:
-        if oracle[1][n] is None:
-            assert got[1][n] is None, n
-            continue
-        check_rule(f"grad {n}", got[1][n], naive[1][n], oracle[1][n], dtype)
+    check_grads(got[1], naive[1], oracle[1], dtype, indexer_trains=bool((patch_kwargs or {}).get("indexer_loss")))
     assert fallback_counts(patched) == {}, fallback_counts(patched)
 
 
@@ -82,6 +78,11 @@ def test_packed_with_default_use_cache(kind):
     # use_cache defaults to True in training: transformers then builds a plain causal mask
     # (documents see each other); the patch still runs the documents the position ids describe.
     _check(kind, dict())
+
+
+@pytest.mark.parametrize("kind", ["v4", "v32"])
+def test_packed_with_indexer_loss(kind):
+    _check(kind, dict(use_cache=False), patch_kwargs=dict(indexer_loss="sparse"))
 
 
 def test_packed_v32_li_only():

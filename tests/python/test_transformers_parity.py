@@ -28,7 +28,8 @@ def _compare(kind, dtype, ids, patch_kwargs=None, overrides=None, **call):
     patched, naive, oracle = three(model, dtype, patch_kwargs)
     call.setdefault("use_cache", False)
     results = [run(m, ids, **call) for m in (patched, naive, oracle)]
-    check_model(results[0], results[1], results[2], dtype)
+    check_model(results[0], results[1], results[2], dtype,
+                indexer_trains=bool((patch_kwargs or {}).get("indexer_loss")))
     assert fallback_counts(patched) == {}, fallback_counts(patched)
     return patched, results
 
@@ -49,6 +50,14 @@ def test_all_on(kind, dtype):
 def test_v4_real_ratios_long():
     # CSA 4 and HCA 128 with window 128 at S=300: compressed entries exist and the window is real.
     _compare("v4", torch.float32, _ids(1, 300), overrides=V4_REAL)
+
+
+@pytest.mark.parametrize("kind", ["v4", "v32"])
+def test_with_indexer_loss(kind):
+    # The loss changes no logit and no gradient of the model; the indexer trains.
+    overrides = V4_REAL if kind == "v4" else {}
+    _compare(kind, torch.float32, _ids(1, 300) if kind == "v4" else _ids(2, 40),
+             patch_kwargs=dict(indexer_loss="sparse"), overrides=overrides)
 
 
 def test_v32_sdpa():
@@ -102,9 +111,9 @@ def test_right_padding(kind, use_cache, dtype):
     labels = ids.masked_fill(mask == 0, -100)
     # bf16 V4: a top-k covering every compressed entry (see test_all_on).
     model = build(kind, **(dict(index_topk=16) if kind == "v4" and dtype == torch.bfloat16 else {}))
-    patched, naive, oracle = three(model, dtype)
+    patched, naive, oracle = three(model, dtype, dict(indexer_loss="sparse") if dtype == torch.float32 else None)
     # use_cache=None: the default, True even in training, so a cache is built and filled.
     res = [run(m, ids, labels=labels, attention_mask=mask, use_cache=use_cache) for m in (patched, naive, oracle)]
     # Padded positions are garbage in the model and 0-attention in dsa; only valid ones compare.
-    check_model(res[0], res[1], res[2], dtype, positions=mask.bool())
+    check_model(res[0], res[1], res[2], dtype, positions=mask.bool(), indexer_trains=dtype == torch.float32)
     assert fallback_counts(patched) == {}
