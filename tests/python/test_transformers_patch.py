@@ -351,3 +351,45 @@ def test_v32_li_only_cache_decode_patched():
             outs[name] = torch.cat(parts, dim=1)
     check_rule("li-only prefill + decode logits", outs["patched"], outs["naive"], outs["oracle"], torch.float32)
     assert fallback_counts(patched) == {}
+
+
+def test_v4_sparse_indexer_loss_against_the_model_probabilities():
+    """V4 CSA: teacher = the unpatched model's attention probabilities (output_attentions;
+    their normaliser holds the window, every visible compressed entry and the sink) on the
+    indexer's compressed picks, summed over heads and normalised; student = softmax of the
+    model's own indexer scores over the same picks; mean over rows with a pick."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m4
+    model = build("v4").double()
+    ids = _ids(2, 40)
+    seen = {}
+    csa = [i for i, l in enumerate(model.model.layers) if isinstance(l.self_attn.compressor, m4.DeepseekV4CSACompressor)]
+    hooks = []
+    for i in csa:
+        ix = model.model.layers[i].self_attn.compressor.indexer
+        hooks.append(ix.scorer.register_forward_hook(lambda mod, a, out, i=i: seen.__setitem__(("scores", i), out)))
+        hooks.append(ix.register_forward_hook(lambda mod, a, out, i=i: seen.__setitem__(("picks", i), out)))
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False, output_attentions=True)
+    for h in hooks:
+        h.remove()
+    expected = {}
+    seq = ids.shape[1]
+    for i in csa:
+        scores, picks = seen[("scores", i)], seen[("picks", i)]
+        n = scores.shape[-1]
+        valid = picks >= 0
+        selected = torch.zeros(*picks.shape[:2], n + 1, dtype=torch.bool)
+        selected.scatter_(-1, torch.where(valid, picks, n).long(), True)
+        selected = selected[..., :n]
+        p = out.attentions[i][..., seq:].sum(1) * selected
+        rows = selected.any(-1)
+        p = p / p.sum(-1, keepdim=True).clamp_min(1e-300)
+        student = torch.log_softmax(scores.masked_fill(~selected, float("-inf")), -1)
+        kl = torch.where(p > 0, p * (torch.log(p) - student), torch.zeros_like(p)).sum(-1)
+        expected[f"model.layers.{i}.self_attn"] = kl[rows].mean()
+    patched = patch(copy.deepcopy(model).float(), indexer_loss="sparse")
+    run(patched, ids, use_cache=False)
+    got = indexer_losses(patched)
+    assert set(got) == set(expected) and expected
+    for k in got:
+        assert abs(float(got[k]) - float(expected[k])) <= 1e-4 * abs(float(expected[k])) + 1e-6, (k, got[k], expected[k])
