@@ -118,3 +118,13 @@ def test_packed_needs_the_patched_compressor():
     with pytest.warns(UserWarning, match="packed"):
         patched(input_ids=ids, position_ids=pos, use_cache=False)
     assert sum(fallback_counts(patched).values()) == 2  # CSA and HCA layers; the sliding layer ran patched
+
+
+def test_packed_v32_cache_with_the_models_indexer_falls_back():
+    model = build("v32")
+    ids, pos, _ = _inputs(ROWS)
+    patched = patch(copy.deepcopy(model), li=False)
+    with pytest.warns(UserWarning, match="packed rows with a cache"):
+        got = patched(input_ids=ids, position_ids=pos).logits  # use_cache defaults to True
+    assert torch.equal(got, model(input_ids=ids, position_ids=pos).logits)
+    assert sum(fallback_counts(patched).values()) == model.config.num_hidden_layers

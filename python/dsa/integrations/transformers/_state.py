@@ -25,10 +25,6 @@ class Options:
     backend: str = "auto"
     strict: bool = False
 
-    @property
-    def any(self) -> bool:
-        return self.sas or self.li or self.compressor or self.indexer_loss is not None
-
 
 def options_from_env(opts: Options, value: Optional[str]) -> Options:
     """``DSA_PATCH`` overrides the keyword flags so that a training script switches

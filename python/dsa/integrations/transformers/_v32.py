@@ -72,6 +72,10 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
         geom = _geometry.cached_analyse(st, attention_mask, position_ids, kwargs, batch, seq, past, None)
         if isinstance(geom, str):
             reason = geom
+        elif geom.layout == "TND" and past_key_values is not None and not opts.li and opts.indexer_loss != "dense":
+            # With a cache the model builds a plain causal mask for packed rows, and its own
+            # indexer then spends picks on other documents.
+            reason = "packed rows with a cache and the model's own indexer (li=False)"
     if reason is not None:
         st.fallback(reason)
         return _original(self, hidden_states, position_embeddings, attention_mask, past_key_values, position_ids,
