@@ -8,11 +8,9 @@ import copy
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from _hf_models import build, check_grads, check_rule
 
-from _hf_models import build, check_grads, check_rule  # noqa: E402
-
-from dsa.integrations.transformers import fallback_counts, patch  # noqa: E402
+from dsa.integrations.transformers import fallback_counts, patch
 
 ROWS = [[13, 20, 7], [40]]  # documents per row; 7 < 8 (HCA ratio), 13 and 7 not multiples of 4
 

@@ -7,11 +7,9 @@ import copy
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from _hf_models import build, run
 
-from _hf_models import build, run  # noqa: E402
-
-from dsa.integrations.transformers import fallback_counts, indexer_losses, patch  # noqa: E402
+from dsa.integrations.transformers import fallback_counts, indexer_losses, patch
 
 
 def _ids(batch, seq, seed=1):
