@@ -154,6 +154,21 @@ def test_fallback_left_padding(kind):
                                               labels=ids.masked_fill(mask == 0, -100)))
 
 
+def test_fallback_v32_kv_b_proj_not_a_plain_linear():
+    # Absorption reads kv_b_proj.weight; an adapter (LoRA-style) around it would be bypassed.
+    class Adapted(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 1.5
+
+    def setup(model):
+        for layer in model.model.layers:
+            old = layer.self_attn.kv_b_proj
+            new = Adapted(old.in_features, old.out_features, bias=False)
+            new.weight = old.weight
+            layer.self_attn.kv_b_proj = new
+    _fallback_case("v32", "kv_b_proj", dict(input_ids=_ids(2, 20), use_cache=False), model_setup=setup)
+
+
 def test_fallback_v4_cache_holding_tokens_and_empty_cache_patched():
     """A first call with an empty cache runs patched and fills the cache as the model
     would; the next call (the cache holds tokens) runs the model's own forward."""

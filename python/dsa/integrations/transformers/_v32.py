@@ -24,6 +24,16 @@ def _original(self, *args, **kwargs):
     return type(self).forward(self, *args, **kwargs)
 
 
+def _absorb_reason(linear):
+    """Absorption reads kv_b_proj.weight instead of calling the module: only right for a
+    plain Linear (a LoRA wrapper, a quantised layer or a hook would be bypassed)."""
+    if type(linear) is not torch.nn.Linear or linear.bias is not None:
+        return f"a kv_b_proj of type {type(linear).__name__} (absorption needs a plain nn.Linear weight)"
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        return "hooks on kv_b_proj (absorption does not call the module)"
+    return None
+
+
 def _index_tensors(ix, hidden_states, q_resid, position_embeddings, past_key_values, with_grad: bool,
                    update_cache: bool):
     """The indexer's query [B,S,Hi,Di], keys [B,Sk,Di] (cache included) and fp32 head
@@ -64,8 +74,8 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     st = self._dsa_state
     opts = st.options
     batch, seq = hidden_states.shape[:2]
-    reason = call_reason(self, kwargs) or cache_layer_reason(past_key_values, self.layer_idx, _CACHE_LAYERS,
-                                                             allow_tokens=True)
+    reason = (call_reason(self, kwargs) or _absorb_reason(self.kv_b_proj)
+              or cache_layer_reason(past_key_values, self.layer_idx, _CACHE_LAYERS, allow_tokens=True))
     geom = None
     if reason is None:
         past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
