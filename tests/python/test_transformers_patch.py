@@ -215,6 +215,17 @@ def test_v32_cache_prefill_chunk_decode_patched():
     assert fallback_counts(patched) == {}
 
 
+def test_v4_generate_prefill_patched_decode_falls_back():
+    model = build("v4").eval()
+    patched = patch(copy.deepcopy(model))
+    ids = _ids(1, 20)
+    a = model.generate(ids, max_new_tokens=5, do_sample=False)
+    with pytest.warns(UserWarning, match="holds tokens"):
+        b = patched.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(a, b)
+    assert fallback_counts(patched) == {"a DeepSeek-V4 cache that already holds tokens": 4 * 3}
+
+
 def test_v32_generate_runs_patched():
     model = build("v32").eval()
     patched = patch(copy.deepcopy(model))
