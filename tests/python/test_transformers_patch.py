@@ -93,9 +93,15 @@ def test_dsa_patch_environment_rejects_unknown(monkeypatch):
         patch(build("v4"))
 
 
-def test_indexer_loss_needs_sas():
+def test_bad_arguments():
     with pytest.raises(ValueError, match="sas"):
         patch(build("v32"), sas=False, indexer_loss="sparse")
+    with pytest.raises(ValueError, match="warm-up"):
+        patch(build("v4"), indexer_loss="dense")
+    with pytest.raises(ValueError, match="indexer_loss"):
+        patch(build("v32"), indexer_loss="kl")
+    with pytest.raises(ValueError, match="no DeepSeek"):
+        patch(torch.nn.Linear(2, 2))
 
 
 # ---- fallbacks -------------------------------------------------------------------------
