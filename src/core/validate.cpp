@@ -50,7 +50,9 @@ void require_size(const TensorView& t, const char* name, int dim, std::int64_t e
 }
 
 void require_last_dim_contiguous(const TensorView& t, const char* name) {
-  if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
+  // An empty tensor is never read, so its strides do not matter (torch expands a
+  // 0-row gradient with stride 0, and .contiguous() keeps it as it is).
+  if (t.ndim > 0 && t.numel() > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
     fail_argument(name, ": expected a contiguous last dimension, got stride ",
                   t.strides[t.ndim - 1]);
 }

@@ -1,0 +1,149 @@
+"""DeepSeek-V3.2 and DeepSeek-V4 in Hugging Face transformers on dsa's fused ops.
+
+    from dsa.integrations.transformers import patch
+    model = DeepseekV4ForCausalLM.from_pretrained(...)
+    patch(model)                      # or DSA_PATCH=sas,li python train.py
+
+``patch`` binds new ``forward`` methods to the model's own attention (and, with
+``sas=False``, compressor / indexer) module instances. Nothing in transformers is
+changed: no function or class is monkeypatched, ``_attn_implementation`` stays, no
+attention interface is registered, so another model in the same process, and this
+one after ``unpatch``, run exactly as before. See docs/transformers.md.
+"""
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+
+from ._state import INDEXER_LOSSES, Options, PatchFallbackError, PatchState, env_value, options_from_env
+
+__all__ = ["patch", "unpatch", "is_patched", "indexer_losses", "fallback_counts", "PatchFallbackError"]
+
+_STATE_ATTR = "_dsa_patch_state"
+_BACKENDS = ("auto", "reference", "cpu", "cuda")
+
+
+def _families():
+    """The (attention class, module) pairs of the model families this transformers has."""
+    families = []
+    try:
+        from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m32
+    except ImportError:  # pragma: no cover - transformers without V3.2
+        m32 = None
+    if m32 is not None:
+        families.append(("v32", m32))
+    try:
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m4
+    except ImportError:  # pragma: no cover
+        m4 = None
+    if m4 is not None:
+        families.append(("v4", m4))
+    return families
+
+
+def _bind(module, fn, state, name):
+    module.forward = types.MethodType(fn, module)
+    module._dsa_state = state
+    module._dsa_name = name
+
+
+def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compressor: bool = True,
+          indexer_loss: Optional[str] = None, loss_coefficient: float = 1.0, backend: str = "auto",
+          strict: bool = False) -> torch.nn.Module:
+    """Route a DeepSeek-V3.2 / V4 transformers model through dsa's ops (in place; returns it).
+
+    - ``sas``: every layer's attention core runs in ``dsa_sparse_attention`` (V3.2 with
+      ``kv_b_proj`` absorbed; V4 with window, compressed entries and sinks).
+    - ``li``: the indexer's scores and top-k run in ``dsa_indexer``.
+    - ``compressor``: V4's CSA/HCA pooling (attention's and indexer's) runs in ``dsa_compressor``.
+    - ``indexer_loss``: ``None``; ``"sparse"`` (``dsa_kl_loss`` per layer from the attention's
+      own softmax statistics); ``"dense"`` (V3.2 dense warm-up: dense attention and
+      ``dsa_dense_indexer_kl_loss``). Needs ``sas=True``. The loss reaches the indexer's
+      parameters through the ordinary ``loss.backward()``, scaled by ``loss_coefficient``;
+      ``indexer_losses(model)`` reads each layer's value.
+    - ``strict``: raise :class:`PatchFallbackError` instead of running the model's own
+      forward where dsa cannot run a call exactly.
+
+    The environment variable ``DSA_PATCH`` overrides the flags: ``off``, ``all``, or a
+    comma list of ``sas``, ``li``, ``compressor``, ``loss=sparse``, ``loss=dense``, ``strict``.
+    """
+    opts = options_from_env(Options(bool(sas), bool(li), bool(compressor), indexer_loss, float(loss_coefficient),
+                                    backend, bool(strict)), env_value())
+    if opts.indexer_loss not in INDEXER_LOSSES:
+        raise ValueError(f"indexer_loss: expected None, 'sparse' or 'dense', got {opts.indexer_loss!r}")
+    if opts.indexer_loss is not None and not opts.sas:
+        raise ValueError("indexer_loss needs sas=True: its teacher is the patched attention's softmax statistics")
+    if opts.backend not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {opts.backend!r}")
+    if is_patched(model):
+        unpatch(model)
+
+    state = PatchState(opts)
+    found = 0
+    for kind, mod in _families():
+        attention_cls = mod.DeepseekV32Attention if kind == "v32" else mod.DeepseekV4Attention
+        for name, module in model.named_modules():
+            if not isinstance(module, attention_cls):
+                continue
+            found += 1
+            if kind == "v32":
+                from . import _v32
+                if opts.sas:
+                    _bind(module, _v32.attention_forward, state, name)
+                elif opts.li:
+                    _bind(module.indexer, _v32.indexer_forward, state, name + ".indexer")
+            else:
+                from . import _v4
+                if opts.indexer_loss == "dense":
+                    raise ValueError("indexer_loss='dense' is DeepSeek-V3.2's warm-up; V4 has no dense stage")
+                if opts.sas:
+                    _bind(module, _v4.attention_forward, state, name)
+                    continue
+                comp = module.compressor
+                if comp is not None and opts.compressor:
+                    _bind(comp, _v4.compressor_forward, state, name + ".compressor")
+                if comp is not None and opts.li and isinstance(comp, mod.DeepseekV4CSACompressor):
+                    _bind(comp.indexer, _v4.indexer_forward, state, name + ".compressor.indexer")
+    if found == 0:
+        raise ValueError(f"patch: {type(model).__name__} holds no DeepSeek-V3.2 or DeepSeek-V4 attention module")
+    setattr(model, _STATE_ATTR, state)
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch`: every module gets its class's forward back."""
+    for module in model.modules():
+        if "_dsa_state" in module.__dict__:
+            module.__dict__.pop("forward", None)
+            del module._dsa_state
+            del module._dsa_name
+    if _STATE_ATTR in model.__dict__:
+        delattr(model, _STATE_ATTR)
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return _STATE_ATTR in model.__dict__
+
+
+def _state(model) -> PatchState:
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is None:
+        raise ValueError("model is not patched by dsa.integrations.transformers.patch")
+    return state
+
+
+def indexer_losses(model: torch.nn.Module) -> dict:
+    """Each layer's latest indexer loss (detached fp32 scalars), keyed by attention module name."""
+    return dict(_state(model).indexer_losses)
+
+
+def fallback_counts(model: torch.nn.Module) -> dict:
+    """How many module calls ran the model's own forward, by reason."""
+    return dict(_state(model).fallbacks)
+
+
+def options(model: torch.nn.Module) -> Options:
+    return _state(model).options

@@ -1,0 +1,184 @@
+"""DeepSeek-V3.2 (transformers ``models/deepseek_v32``) on dsa's ops.
+
+transformers runs V3.2's MLA non-absorbed: ``kv_b_proj`` expands the 512-dim latent
+into per-head keys and values. dsa's sparse attention works on the shared latent,
+so the patch absorbs ``kv_b_proj`` on the fly: the query's no-RoPE part goes to the
+latent through W_UK, and the latent output comes back to per-head values through
+W_UV (both einsums keep ``kv_b_proj`` in the graph, so it gets its gradient).
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import dsa_dense_indexer_kl_loss, dsa_dense_indexer_lse, dsa_indexer, dsa_kl_loss, dsa_sparse_attention
+from . import _geometry, _loss
+from ._checks import call_reason, cache_layer_reason
+
+from transformers.cache_utils import DynamicIndexedLayer
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as M
+
+_CACHE_LAYERS = (DynamicIndexedLayer,)
+
+
+def _original(self, *args, **kwargs):
+    return type(self).forward(self, *args, **kwargs)
+
+
+def _absorb_reason(linear):
+    """Absorption reads kv_b_proj.weight instead of calling the module: only right for a
+    plain Linear (a LoRA wrapper, a quantised layer or a hook would be bypassed)."""
+    if type(linear) is not torch.nn.Linear or linear.bias is not None:
+        return f"a kv_b_proj of type {type(linear).__name__} (absorption needs a plain nn.Linear weight)"
+    if linear._forward_hooks or linear._forward_pre_hooks:
+        return "hooks on kv_b_proj (absorption does not call the module)"
+    return None
+
+
+def _index_tensors(ix, hidden_states, q_resid, position_embeddings, past_key_values, with_grad: bool,
+                   update_cache: bool):
+    """The indexer's query [B,S,Hi,Di], keys [B,Sk,Di] (cache included) and fp32 head
+    weights, as the model computes them. With the indexer loss they come from detached
+    inputs with grad on (the KL trains the indexer only); keys already in the cache
+    enter as constants."""
+    h = hidden_states.detach() if with_grad else hidden_states
+    qr = q_resid.detach() if with_grad else q_resid
+    batch, seq = h.shape[:2]
+    cos, sin = position_embeddings
+    with torch.enable_grad() if with_grad else torch.no_grad():
+        q = ix.wq_b(qr).view(batch, seq, ix.n_heads, ix.head_dim)
+        q_rot, q_pass = torch.split(q, [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim], dim=-1)
+        k = ix.k_norm(ix.wk(h)).unsqueeze(2)
+        k_rot, k_pass = torch.split(k, [ix.qk_rope_head_dim, ix.head_dim - ix.qk_rope_head_dim], dim=-1)
+        q_rot, k_rot = M.apply_rotary_pos_emb(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)
+        k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+        weights = ix.weights_proj(h.to(ix.weights_proj.weight.dtype)).float() * (ix.n_heads ** -0.5)
+    if past_key_values is not None:
+        if update_cache:
+            full = past_key_values.update_indexer(k.detach(), ix.layer_idx)
+        else:
+            full = past_key_values.layers[ix.layer_idx].indexer_keys
+        past = full.shape[1] - seq
+        k = torch.cat([full[:, :past], k], dim=1) if past > 0 else k
+    return q, k, weights
+
+
+def _select(ix, q, k, weights, geom, opts):
+    return dsa_indexer(geom.flat(q), geom.flat(k), geom.flat(weights), topk=ix.index_topk, scale=ix.softmax_scale,
+                       query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
+                       backend=opts.backend)
+
+
+def attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
+                      position_ids=None, **kwargs):
+    st = self._dsa_state
+    opts = st.options
+    batch, seq = hidden_states.shape[:2]
+    reason = (call_reason(self, kwargs) or _absorb_reason(self.kv_b_proj)
+              or cache_layer_reason(past_key_values, self.layer_idx, _CACHE_LAYERS, allow_tokens=True))
+    geom = None
+    if reason is None:
+        past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
+        geom = _geometry.cached_analyse(st, attention_mask, position_ids, kwargs, batch, seq, past, None)
+        if isinstance(geom, str):
+            reason = geom
+        elif geom.layout == "TND" and past_key_values is not None and not opts.li and opts.indexer_loss != "dense":
+            # With a cache the model builds a plain causal mask for packed rows, and its own
+            # indexer then spends picks on other documents.
+            reason = "packed rows with a cache and the model's own indexer (li=False)"
+    if reason is not None:
+        st.fallback(reason)
+        return _original(self, hidden_states, position_embeddings, attention_mask, past_key_values, position_ids,
+                         **kwargs)
+
+    # The model's own projections, norms and RoPE, in its order (same bits up to here).
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q_states = self.q_b_proj(q_resid).view(batch, seq, -1, self.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+    kv_pass, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    k_pass = self.kv_a_layernorm(kv_pass).view(batch, 1, seq, self.kv_lora_rank)
+    k_rot = k_rot.view(batch, 1, seq, self.qk_rope_head_dim)
+    cos, sin = position_embeddings
+    q_rot, k_rot = M.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    if past_key_values is not None:
+        k_pass, k_rot = past_key_values.update(k_pass, k_rot, self.layer_idx)
+
+    heads, nope, dv, rank = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+    w = self.kv_b_proj.weight.view(heads, nope + dv, rank)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    query = torch.cat([torch.einsum("bhsd,hdr->bshr", q_pass, w_uk), q_rot.transpose(1, 2)], dim=-1)
+    kv = torch.cat([k_pass[:, 0], k_rot[:, 0]], dim=-1)  # [B, Sk, rank + rope]: keys; values = first `rank`
+
+    ix = self.indexer
+    loss_kind = opts.indexer_loss if torch.is_grad_enabled() else None
+    iq = ik = iw = None
+    indices = None
+    if opts.indexer_loss != "dense" and not opts.li:
+        # The model's own indexer (it appends this call's keys to the cache itself).
+        indices = ix(hidden_states, q_resid, position_embeddings, attention_mask[:, 0], position_ids,
+                     past_key_values=past_key_values)
+        if geom.layout == "TND":
+            # Row positions -> positions in the query's document (other documents fall out as < 0
+            # or as invisible).
+            indices = indices - geom.doc_starts.unsqueeze(-1).to(indices.dtype)
+        indices = geom.flat(indices)
+        if loss_kind is not None:
+            iq, ik, iw = _index_tensors(ix, hidden_states, q_resid, position_embeddings, past_key_values, True,
+                                        update_cache=False)
+    else:
+        iq, ik, iw = _index_tensors(ix, hidden_states, q_resid, position_embeddings, past_key_values,
+                                    loss_kind is not None, update_cache=True)
+        if opts.indexer_loss != "dense":
+            indices = _select(ix, iq, ik, iw, geom, opts)
+
+    # Dense warm-up (indices=None): dense causal attention on the latent.
+    out, smax, ssum = dsa_sparse_attention(
+        geom.flat(query), geom.flat(kv), indices, scale=self.scaling,
+        d_v=rank, query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
+        backend=opts.backend)
+    if loss_kind == "sparse":
+        kl = dsa_kl_loss(geom.flat(query).detach(), geom.flat(kv).detach(), indices, smax, ssum,
+                         geom.flat(iq), geom.flat(ik), geom.flat(iw), scale=self.scaling, index_scale=ix.softmax_scale,
+                         query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
+                         loss_coefficient=opts.loss_coefficient, backend=opts.backend)
+    elif loss_kind == "dense":
+        lengths = dict(query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
+                       backend=opts.backend)
+        lse = dsa_dense_indexer_lse(geom.flat(iq), geom.flat(ik), geom.flat(iw), scale=ix.softmax_scale, **lengths)
+        kl = dsa_dense_indexer_kl_loss(geom.flat(iq), geom.flat(ik), geom.flat(iw), geom.flat(query),
+                                       geom.flat(kv).unsqueeze(-2), smax, ssum, lse, scale=self.scaling,
+                                       index_scale=ix.softmax_scale, loss_coefficient=opts.loss_coefficient,
+                                       **lengths)
+    if loss_kind is not None:
+        st.indexer_losses[self._dsa_name] = kl.detach()
+        out = _loss.attach(out, kl)
+    out = torch.einsum("bshr,hvr->bshv", geom.unflat(out), w_uv)
+    return self.o_proj(out.reshape(batch, seq, heads * dv)), None
+
+
+def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
+                    past_key_values=None):
+    """li=True, sas=False: dsa's top-k handed to the model's own attention, which folds it into its mask."""
+    st = self._dsa_state
+    batch, seq = hidden_states.shape[:2]
+    keys = attention_mask.shape[-1] if isinstance(attention_mask, torch.Tensor) else seq
+    reason = cache_layer_reason(past_key_values, self.layer_idx, _CACHE_LAYERS, allow_tokens=True)
+    geom = None
+    if reason is None:
+        geom = _geometry.cached_analyse(st, attention_mask, position_ids, {}, batch, seq, keys - seq, None)
+        if isinstance(geom, str):
+            reason = geom
+    if reason is not None:
+        st.fallback(reason)
+        return _original(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
+                         past_key_values=past_key_values)
+    q, k, w = _index_tensors(self, hidden_states, q_resid, position_embeddings, past_key_values, False, True)
+    idx = _select(self, q, k, w, geom, st.options)
+    idx = geom.unflat(idx)[..., :min(self.index_topk, keys)]
+    own = torch.arange(seq, device=idx.device, dtype=idx.dtype).view(1, seq, 1) + (keys - seq)
+    if geom.layout == "TND":
+        idx = torch.where(idx >= 0, idx + geom.doc_starts.unsqueeze(-1).to(idx.dtype), idx)
+    # The model scatters these into a mask and fails on -1. A -1 means every visible key
+    # is already picked, so the query's own position changes nothing.
+    return torch.where(idx < 0, own, idx)

@@ -1,0 +1,260 @@
+"""DeepSeek-V4 (transformers ``models/deepseek_v4``) on dsa's ops.
+
+Each function is bound to one module instance as its ``forward``. The projections,
+norms, RoPE and output projection are the model's own modules called in the model's
+order; only the pooling, the indexer's scoring/top-k and the attention core change.
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import dsa_compressor, dsa_indexer, dsa_kl_loss, dsa_sparse_attention
+from . import _geometry, _loss
+from ._checks import call_reason, cache_layer_reason
+
+from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
+
+_rope = M.apply_rotary_pos_emb
+_CACHE_LAYERS = (M.DeepseekV4HCACache, M.DeepseekV4CSACache)
+_ATTENTION_CACHE_LAYERS = (DynamicSlidingWindowLayer,)  # the two above derive from it
+
+
+def _is_csa(module) -> bool:
+    # The overlap follows the compressor's class: transformers lets either class take any ratio.
+    return isinstance(module, (M.DeepseekV4CSACompressor, M.DeepseekV4Indexer))
+
+
+def _pool_torch(module, kv, gate, overlap: bool) -> torch.Tensor:
+    """The model's own stateless pooling (same operations, same order), before kv_norm."""
+    batch, m, c = kv.shape[0], module.compress_rate, module.head_dim
+    n = kv.shape[1] // m
+    if n == 0:
+        return kv.new_zeros((batch, 0, c))
+    chunk_kv = kv[:, :n * m].view(batch, n, m, -1)
+    chunk_gate = gate[:, :n * m].view(batch, n, m, -1) + module.position_bias
+    if overlap:
+        new_kv = chunk_kv.new_zeros((batch, n, 2 * m, c))
+        new_gate = chunk_gate.new_full((batch, n, 2 * m, c), float("-inf"))
+        new_kv[:, :, m:] = chunk_kv[..., c:]
+        new_gate[:, :, m:] = chunk_gate[..., c:]
+        if n > 1:
+            new_kv[:, 1:, :m] = chunk_kv[:, :-1, :, :c]
+            new_gate[:, 1:, :m] = chunk_gate[:, :-1, :, :c]
+        chunk_kv, chunk_gate = new_kv, new_gate
+    return (chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2)
+
+
+def _compress(module, hidden_states, geom, use_dsa: bool, backend: str):
+    """(compressed entries after kv_norm and RoPE, entry count, kv, gate).
+
+    BSND gives [B, S // m, c] over whole rows, as the model pools them: entries holding
+    right padding are invisible to every valid query (the ops derive visibility from the
+    raw key lengths), and a cache then receives exactly the model's entries. TND gives
+    [S_cmp, c] with the documents back to back; RoPE positions restart per document."""
+    m = module.compress_rate
+    kv, gate = module.kv_proj(hidden_states), module.gate_proj(hidden_states)
+    overlap = _is_csa(module)
+    if use_dsa:
+        packed = geom.layout == "TND"
+        pooled, _ = dsa_compressor(geom.flat(kv), geom.flat(gate), module.position_bias.float(), ratio=m,
+                                   overlap=overlap, query_lengths=geom.key_lengths if packed else None,
+                                   layout=geom.layout, backend=backend)
+    else:
+        if geom.layout != "BSND":
+            raise AssertionError("packed calls pool with dsa_compressor")
+        pooled = _pool_torch(module, kv, gate, overlap)
+    count = pooled.shape[0] if geom.layout == "TND" else pooled.shape[0] * pooled.shape[1]
+    x = module.kv_norm(pooled)
+    if geom.layout == "TND":
+        x = x.unsqueeze(0)
+    positions = geom.compressed_positions(m, x.shape[1], x.device)
+    cos, sin = module.rotary_emb(x, position_ids=positions, layer_type=module.rope_layer_type)
+    x = _rope(x.unsqueeze(1), cos, sin).squeeze(1)
+    return (x[0] if geom.layout == "TND" else x), count, kv, gate
+
+
+def _fill_cache(cache_layer, name, module, kv, gate, compressed):
+    """Writes what the model's own compressor would write into an empty cache layer,
+    through the same cache methods, so that a later call (run by the model) continues it."""
+    m = module.compress_rate
+    chunk_kv, chunk_gate, _ = cache_layer.store_compression_weights(name, kv, gate)
+    if chunk_kv.shape[1] > 0 and _is_csa(module):
+        b, n = chunk_kv.shape[0], chunk_kv.shape[1] // m
+        cache_layer.update_overlap_state(name, chunk_kv.view(b, n, m, -1),
+                                         chunk_gate.view(b, n, m, -1) + module.position_bias, module.head_dim)
+    cache_layer.update_compressor_states(name, compressed)
+
+
+def _index_tensors(ix, hidden_states, q_residual, position_ids, geom, opts, with_grad: bool):
+    """The indexer's query, compressed keys and head weights, as the model computes them.
+    With the indexer loss they are rebuilt from detached inputs with grad on: the KL
+    trains the indexer and nothing else."""
+    h = hidden_states.detach() if with_grad else hidden_states
+    qr = q_residual.detach() if with_grad else q_residual
+    with torch.enable_grad() if with_grad else torch.no_grad():
+        keys, count, kv, gate = _compress(ix, h, geom, opts.compressor, opts.backend)
+        b, s = h.shape[:2]
+        cos_q, sin_q = ix.rotary_emb(h, position_ids=position_ids, layer_type=ix.rope_layer_type)
+        q = ix.q_b_proj(qr).view(b, s, -1, ix.head_dim).transpose(1, 2)
+        q = _rope(q, cos_q, sin_q).transpose(1, 2)
+        weights = ix.scorer.weights_proj(h).float() * ix.scorer.weights_scaling
+    return q, keys, weights, count, kv, gate
+
+
+def _select(ix, q, keys, weights, geom, opts):
+    return dsa_indexer(geom.flat(q), keys, geom.flat(weights), topk=ix.index_topk, scale=ix.scorer.softmax_scale,
+                       cmp_ratio=ix.compress_rate, query_lengths=geom.query_lengths, key_lengths=geom.key_lengths,
+                       layout=geom.layout, backend=opts.backend)
+
+
+def _original(self, *args, **kwargs):
+    return type(self).forward(self, *args, **kwargs)
+
+
+def attention_forward(self, hidden_states, position_embeddings, position_ids, attention_mask,
+                      past_key_values=None, **kwargs):
+    st = self._dsa_state
+    opts = st.options
+    batch, seq = hidden_states.shape[:2]
+    reason = call_reason(self, kwargs) or cache_layer_reason(past_key_values, self.layer_idx, _ATTENTION_CACHE_LAYERS)
+    geom = None
+    if reason is None:
+        geom = _geometry.cached_analyse(st, attention_mask, position_ids, kwargs, batch, seq, 0, self.sliding_window)
+        if isinstance(geom, str):
+            reason = geom
+    comp = self.compressor
+    if reason is None and comp is not None:
+        if geom.layout == "TND" and not (opts.compressor and (opts.li or not _is_csa(comp))):
+            reason = "packed rows on a compressed layer without compressor=True (and li=True on CSA layers)"
+    if reason is not None:
+        st.fallback(reason)
+        return _original(self, hidden_states, position_embeddings, position_ids, attention_mask, past_key_values,
+                         **kwargs)
+
+    cos, sin = position_embeddings[self.rope_layer_type]
+    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
+    q = self.q_b_proj(q_residual).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+    q = _rope(self.q_b_norm(q), cos, sin)
+    kv = self.kv_norm(self.kv_proj(hidden_states)).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+    kv = _rope(kv, cos, sin)
+    cache_layer = None
+    if past_key_values is not None:
+        kv = past_key_values.update(kv, kv, self.layer_idx)[0]
+        cache_layer = past_key_values.layers[self.layer_idx]
+        if geom.layout == "TND":
+            # Compressed entries of packed documents have no meaning for a later call.
+            cache_layer._dsa_packed = True
+    q, kv = q.transpose(1, 2), kv[:, 0]
+
+    cmp_kv = cmp_idx = None
+    ratio = 1
+    kl_inputs = None
+    if comp is not None:
+        csa = _is_csa(comp)
+        entries, count, ckv, cgate = _compress(comp, hidden_states, geom, opts.compressor, opts.backend)
+        if cache_layer is not None and geom.layout == "BSND":
+            _fill_cache(cache_layer, "compressor", comp, ckv, cgate, entries)
+        if csa:
+            ix = comp.indexer
+            with_grad = opts.indexer_loss == "sparse" and torch.is_grad_enabled()
+            if opts.li or with_grad:
+                iq, ik, iw, icount, ikv, igate = _index_tensors(ix, hidden_states, q_residual, position_ids, geom,
+                                                                opts, with_grad)
+                kl_inputs = (iq, ik, iw)
+            if opts.li:
+                if cache_layer is not None and geom.layout == "BSND":
+                    _fill_cache(cache_layer, "indexer", ix, ikv, igate, ik)
+                if icount > 0:
+                    cmp_idx = _select(ix, iq, ik, iw, geom, opts)
+            else:
+                cmp_idx = ix(hidden_states, q_residual, position_ids, past_key_values, self.layer_idx)
+                cmp_idx = geom.flat(cmp_idx.to(torch.int32)) if cmp_idx.shape[-1] > 0 else None
+        if count > 0 and (not csa or cmp_idx is not None):
+            cmp_kv, ratio = entries, comp.compress_rate
+
+    sinks = self.sinks.float()
+    out, smax, ssum = dsa_sparse_attention(
+        geom.flat(q), geom.flat(kv), None, scale=self.scaling, window=self.sliding_window, cmp_kv=cmp_kv,
+        cmp_indices=cmp_idx if cmp_kv is not None else None, cmp_ratio=ratio,
+        sinks=sinks, query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
+        backend=opts.backend)
+    if kl_inputs is not None and cmp_kv is not None and opts.indexer_loss == "sparse" and torch.is_grad_enabled():
+        iq, ik, iw = kl_inputs
+        kl = dsa_kl_loss(geom.flat(q).detach(), cmp_kv.detach(), cmp_idx, smax, ssum, geom.flat(iq), ik,
+                         geom.flat(iw), scale=self.scaling, index_scale=comp.indexer.scorer.softmax_scale,
+                         sinks=sinks.detach(), cmp_ratio=ratio, query_lengths=geom.query_lengths,
+                         key_lengths=geom.key_lengths, layout=geom.layout, loss_coefficient=opts.loss_coefficient,
+                         backend=opts.backend)
+        st.indexer_losses[self._dsa_name] = kl.detach()
+        out = _loss.attach(out, kl)
+    out = geom.unflat(out)
+    out = _rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
+    grouped = self.o_a_proj(out.reshape(batch, seq, self.config.o_groups, -1)).flatten(2)
+    return self.o_b_proj(grouped), None
+
+
+# ---- sas=False: the model's attention runs, with its compressor and indexer on dsa ----
+
+def _module_reason(self, position_ids, past_key_values, layer_idx, seq):
+    reason = cache_layer_reason(past_key_values, layer_idx, _CACHE_LAYERS)
+    if reason is None and position_ids is not None:
+        expect = torch.arange(seq, device=position_ids.device)
+        if not bool((position_ids == expect).all()):
+            # The model measures compressed visibility with position_ids, dsa with the
+            # row index: they agree only for rows that are one sequence from 0.
+            reason = "position_ids other than 0..S-1 (packed rows need sas=True)"
+    return reason
+
+
+def _row_geometry(hidden_states):
+    batch, seq = hidden_states.shape[:2]
+    return _geometry.Geometry("BSND", batch, seq, 0, [seq] * batch, [seq] * batch, [seq] * batch)
+
+
+def compressor_forward(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx):
+    st = self._dsa_state
+    reason = _module_reason(self, position_ids, past_key_values, layer_idx, hidden_states.shape[1])
+    if reason is not None:
+        st.fallback(reason)
+        return _original(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx)
+    geom = _row_geometry(hidden_states)
+    entries, count, kv, gate = _compress(self, hidden_states, geom, True, st.options.backend)
+    if past_key_values is not None:
+        _fill_cache(past_key_values.layers[layer_idx], "compressor", self, kv, gate, entries)
+    compressed_kv = entries.unsqueeze(1)
+    batch, seq = hidden_states.shape[:2]
+    n = compressed_kv.shape[2]
+    if _is_csa(self):
+        # The model's own block bias from the (patched or original) indexer's picks.
+        top_k = self.indexer(hidden_states, q_residual, position_ids, past_key_values, layer_idx)
+        valid = top_k >= 0
+        safe = torch.where(valid, top_k, torch.full_like(top_k, n))
+        bias = compressed_kv.new_full((batch, 1, seq, n + 1), float("-inf"))
+        bias.scatter_(-1, safe.unsqueeze(1).long(), 0.0)
+        return compressed_kv, bias[..., :n]
+    if position_ids.shape[1] == 1 or n == 0:
+        return compressed_kv, None
+    threshold = (position_ids + 1) // self.compress_rate
+    bias = compressed_kv.new_zeros((batch, 1, seq, n))
+    bias = bias.masked_fill(torch.arange(n, device=bias.device).view(1, 1, 1, -1)
+                            >= threshold.unsqueeze(1).unsqueeze(-1), float("-inf"))
+    return compressed_kv, bias
+
+
+def indexer_forward(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx):
+    st = self._dsa_state
+    opts = st.options
+    reason = _module_reason(self, position_ids, past_key_values, layer_idx, hidden_states.shape[1])
+    if reason is not None:
+        st.fallback(reason)
+        return _original(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx)
+    geom = _row_geometry(hidden_states)
+    q, keys, weights, count, kv, gate = _index_tensors(self, hidden_states, q_residual, position_ids, geom, opts,
+                                                       False)
+    if past_key_values is not None:
+        _fill_cache(past_key_values.layers[layer_idx], "indexer", self, kv, gate, keys)
+    width = min(self.index_topk, keys.shape[1])
+    if width == 0:
+        return torch.empty((*hidden_states.shape[:2], 0), dtype=torch.long, device=hidden_states.device)
+    return _select(self, q, keys, weights, geom, opts)[..., :width].long()

@@ -1,0 +1,130 @@
+"""Tiny random DeepSeek-V3.2 / V4 transformers models for the integration tests.
+
+Sizes follow /work/shared/research/transformers_deepseek.md 1.3: >= 16 indexer heads so
+that ReLU zeros do not tie the top-k; sinks, position biases and hash-MoE tables are
+randomised because the model initialises them to 0.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def v32_config(**overrides):
+    from transformers import DeepseekV32Config
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+              num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4,
+              q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+              index_n_heads=16, index_head_dim=16, index_topk=8, n_routed_experts=4, n_group=2, topk_group=1,
+              num_experts_per_tok=2, n_shared_experts=1,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+              max_position_embeddings=1024, pad_token_id=0, attn_implementation="eager",
+              experts_implementation="eager")
+    kw.update(overrides)
+    return DeepseekV32Config(**kw)
+
+
+def v4_config(**overrides):
+    from transformers import DeepseekV4Config
+    kw = dict(vocab_size=128, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+              layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+              mlp_layer_types=["hash_moe", "moe", "moe"],
+              compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+              num_attention_heads=4, num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
+              q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
+              index_n_heads=16, index_head_dim=16, index_topk=4,
+              n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=3,
+              max_position_embeddings=1024, pad_token_id=0, attn_implementation="eager",
+              experts_implementation="eager")
+    kw.update(overrides)
+    return DeepseekV4Config(**kw)
+
+
+def randomise(model, seed=0):
+    """Non-zero sinks / position biases / hash tables (the model starts them at 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks") or name.endswith("position_bias"):
+                p.copy_(torch.randn(p.shape, generator=g).to(p.dtype))
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):
+                experts = model.config.n_routed_experts
+                b.copy_(torch.randint(0, experts, b.shape, generator=g).to(b.dtype))
+    return model
+
+
+def build(kind, dtype=torch.float32, seed=0, **overrides):
+    from transformers import DeepseekV32ForCausalLM, DeepseekV4ForCausalLM
+    torch.manual_seed(seed)
+    if kind == "v32":
+        model = DeepseekV32ForCausalLM(v32_config(**overrides))
+    else:
+        model = DeepseekV4ForCausalLM(v4_config(**overrides))
+    randomise(model, seed)
+    return model.to(dtype).train()
+
+
+def twin(model):
+    return copy.deepcopy(model)
+
+
+def run(model, ids, labels=None, **kwargs):
+    """Forward + backward; returns (logits, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids if labels is None else labels, **kwargs)
+    out.loss.backward()
+    grads = {n: (p.grad.detach().clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+    return out.logits.detach(), grads, out
+
+
+def max_err(a, b):
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+def check_rule(what, got, naive, oracle, dtype):
+    """quality.md's rule, with the unpatched model as the naive peer and the unpatched
+    model in float64 as the oracle: err <= 2 * naive_err + 1e-5. For fp32 also a
+    relative error <= 1e-4 -- or <= 2 * naive_err where the unpatched fp32 model itself
+    is further off than that (a few tiny gradients of the hyper-connection head, whose
+    fp32 error against float64 reaches 3e-4 relative in the model's own arithmetic)."""
+    err, naive_err = max_err(got, oracle), max_err(naive, oracle)
+    assert err <= 2 * naive_err + 1e-5, f"{what}: err {err:.3g} > 2 * naive {naive_err:.3g} + 1e-5"
+    if dtype == torch.float32:
+        scale = oracle.double().abs().max().item() if oracle.numel() else 0.0
+        assert err <= max(1e-4 * scale, 2 * naive_err), (
+            f"{what}: rel err {err / max(scale, 1e-300):.3g} > 1e-4 (naive {naive_err / max(scale, 1e-300):.3g})")
+
+
+def check_model(patched_run, naive_run, oracle_run, dtype, positions=None, indexer_trains=False):
+    """Logits (optionally only at `positions`, a bool [B, S] mask) and every parameter's
+    gradient. With `indexer_trains` (an indexer loss on) the indexer's parameters, which
+    the model never trains, must get non-zero gradients instead."""
+    (lp, gp), (ln, gn), (lo, go) = patched_run[:2], naive_run[:2], oracle_run[:2]
+    if positions is not None:
+        lp, ln, lo = lp[positions], ln[positions], lo[positions]
+    check_rule("logits", lp, ln, lo, dtype)
+    check_grads(gp, gn, go, dtype, indexer_trains)
+
+
+def check_grads(gp, gn, go, dtype, indexer_trains=False):
+    for name in go:
+        if indexer_trains and ".indexer." in name:
+            assert go[name] is None and gp[name] is not None and bool(gp[name].abs().sum() > 0), name
+            continue
+        if go[name] is None or gn[name] is None:
+            assert gp[name] is None and gn[name] is None, f"{name}: gradient presence differs"
+            continue
+        assert gp[name] is not None, f"{name}: no gradient through the patch"
+        check_rule(f"grad {name}", gp[name], gn[name], go[name], dtype)
+
+
+def three(model, dtype, patch_kwargs=None):
+    """(patched, naive, oracle): the same weights, patched in `dtype`, unpatched in
+    `dtype`, unpatched in float64."""
+    from dsa.integrations.transformers import patch
+    naive = copy.deepcopy(model).to(dtype)
+    oracle = copy.deepcopy(model).to(torch.float64)
+    patched = patch(copy.deepcopy(model).to(dtype), **(patch_kwargs or {}))
+    return patched, naive, oracle
