@@ -132,7 +132,7 @@ TEST(Backends, ReportProvesBuiltOnesRun) {
     }
   }
   const std::string isa = dsa::cpu_isa_name();
-  EXPECT_TRUE(isa == "amx" || isa == "avx512" || isa == "avx2" || isa == "portable") << isa;
+  EXPECT_TRUE(isa == "amx" || isa == "avx512_bf16" || isa == "avx512" || isa == "avx2" || isa == "portable") << isa;
 }
 
 TEST(TensorViews, MakeViewIsContiguousAndChecksItsShape) {

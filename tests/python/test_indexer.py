@@ -278,7 +278,7 @@ def test_one_and_two_threads_bit_identical():
 
 # ---- every ISA path: DSA_ISA is read once per process, so one subprocess each ----
 
-ISA_ORDER = ["portable", "avx2", "avx512", "amx"]
+ISA_ORDER = ["portable", "avx2", "avx512", "avx512_bf16", "amx"]
 
 
 def compact_isa_check() -> str:
