@@ -23,7 +23,7 @@ using namespace indexer_kernels;
 const ScoreKernel& pick_kernel(DType dtype) {
   switch (core::cpu_isa()) {
     case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
-    case core::Isa::avx512_bf16:
+    case core::Isa::avx512_bf16: return dtype == DType::bf16 ? avx512_bf16_kernel() : avx512_kernel();
     case core::Isa::avx512: return avx512_kernel();
     case core::Isa::avx2: return avx2_kernel();
     default: return portable_kernel();

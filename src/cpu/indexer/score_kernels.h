@@ -46,6 +46,7 @@ struct ScoreKernel {
 const ScoreKernel& portable_kernel();
 const ScoreKernel& avx2_kernel();
 const ScoreKernel& avx512_kernel();
-const ScoreKernel& amx_kernel();  // bf16 inputs only
+const ScoreKernel& avx512_bf16_kernel();  // bf16 inputs only
+const ScoreKernel& amx_kernel();          // bf16 inputs only
 
 }  // namespace dsa::cpu::indexer_kernels
