@@ -4,11 +4,11 @@
 //
 // The operands keep the AMX tile layouts, so what a kernel packs for tiles
 // serves here as it is: a B tile row is one zmm (16 columns x one pair of
-// contraction indices) and an A element pair is one 32-bit broadcast, which
-// the compiler embeds in vdpbf16ps ({1to16}). A register block of R C rows x N
-// column groups of 16 stays in zmm accumulators over the whole contraction;
-// R x N is 16 accumulators (12 for N = 3), enough independent chains to cover
-// the instruction's latency at two per cycle.
+// contraction indices) and an A element pair is one 32-bit broadcast
+// (vpbroadcastd from memory), shared by the N column groups of its row. A
+// register block of R C rows x N column groups of 16 stays in zmm accumulators
+// over the whole contraction; R x N is 16 accumulators (12 for N = 3): enough
+// independent chains to hide vdpbf16ps's latency, with room for the N B rows.
 //
 // Every C element is accumulated chunk by chunk, pair by pair, in contraction
 // order, so the blocking never changes the bits: a kernel gives the same
