@@ -24,17 +24,6 @@ const kl_kernels::KlKernels& pick() {
   }
 }
 
-const indexer_kernels::ScoreKernel& pick_score_kernel(DType dtype) {
-  using namespace indexer_kernels;
-  switch (core::cpu_isa()) {
-    case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
-    case core::Isa::avx512_bf16: return dtype == DType::bf16 ? avx512_bf16_kernel() : avx512_kernel();
-    case core::Isa::avx512: return avx512_kernel();
-    case core::Isa::avx2: return avx2_kernel();
-    default: return portable_kernel();
-  }
-}
-
 }  // namespace
 
 // bf16 on AMX machines: the pair kernels with AMX tiles (kl_amx.cpp,
