@@ -11,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/cpu_features.h"
@@ -368,6 +369,16 @@ std::vector<Case> cases() {
     out.push_back(c);
   }
   {
+    Case c;  // three 16-head groups: a pair and a single in the bf16 pair kernels
+    c.name = "tnd_h48_d64";
+    c.q_lens = {40, 70};
+    c.k_lens = {40, 130};
+    c.heads = 48;
+    c.dim = 64;
+    c.topk = 16;
+    out.push_back(c);
+  }
+  {
     Case c;  // 128 heads, many cuts of the running top-k
     c.name = "tnd_h128_k2";
     c.q_lens = {20, 50};
@@ -462,11 +473,13 @@ TEST(Indexer, ThreadCountDoesNotChangeBits) {
   Case c;
   c.q_lens = {3, 150, 1, 90};
   c.k_lens = {3, 200, 9, 90};
-  c.heads = 5;
-  c.dim = 96;
   c.topk = 20;
+  // Padded heads and dims; then heads in 16-row tiles with a wide dim (direct query loads).
+  for (auto [heads, dim] : {std::pair<std::int64_t, std::int64_t>{5, 96}, {48, 576}})
   for (Isa isa : isa_paths()) {
     IsaLimit limit(isa);
+    c.heads = heads;
+    c.dim = dim;
     for (DType dtype : {DType::f32, DType::bf16}) {
       Problem p = make_problem(c, dtype, Fill::normal, 77);
       const Result one = run(p, dsa::Backend::cpu, 1);

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/cpu_features.h"
@@ -66,11 +67,17 @@ struct SparseCase {
   std::vector<std::int32_t> idx;
   std::vector<float> sinks;
 
-  SparseCase(DType dt, std::uint32_t seed, std::int64_t cmp_ratio = 1, bool wide = false) : dtype(dt), ratio(cmp_ratio) {
+  // Head counts and dims of a wide case: {H, D, Hi, Di}.
+  struct Heads {
+    std::int64_t h, d, hi, di;
+  };
+  SparseCase(DType dt, std::uint32_t seed, std::int64_t cmp_ratio = 1, bool wide = false,
+             Heads heads = {16, 64, 32, 32})
+      : dtype(dt), ratio(cmp_ratio) {
     if (wide) {
-      // Shapes the AMX tile kernels take (heads multiples of 16 / 32, dims of 32),
+      // Shapes the pair kernels take (heads multiples of 16 / 32, dims of 32),
       // more entries than one 32-entry block and more rows than one dK row block.
-      T = 70, S = 90, H = 16, D = 64, Hi = 32, Di = 32, K = 45;
+      T = 70, S = 90, H = heads.h, D = heads.d, Hi = heads.hi, Di = heads.di, K = 45;
       cu_q = {0, 30, 70};
       cu_k = {0, 40, 90};
     }
@@ -200,38 +207,56 @@ TEST_P(KlIsa, SparseDeterministicAcrossThreads) {
   expect_identical(one.dw, two.dw, "dw");
 }
 
-// bf16 shapes the AMX kernels take (on AMX machines they run; elsewhere the
-// generic kernels do): against the reference, and bit-identical for 1, 2 and 3
-// threads (several dK row blocks, so several waves of partials).
+// bf16 shapes the pair kernels take (AMX tiles on AMX machines, vdpbf16ps on
+// AVX-512-BF16 ones, the generic kernels elsewhere), per ISA level: against the
+// reference, and bit-identical for 1, 2 and 3 threads (several dK row blocks,
+// so several waves of partials). The shapes cover the products' remainders:
+// odd 16-head groups (48, 80), 32-head chunks (96), dim groups that are not a
+// multiple of the register block (Di 96: six groups of 16), and the V3.2
+// teacher width 576.
+const SparseCase::Heads kSparseShapes[] = {{16, 64, 32, 32}, {48, 128, 64, 128}, {80, 576, 96, 96}};
+
 TEST(KlLossTiles, SparseBf16MatchesReference) {
-  for (bool with_sinks : {false, true}) {
-    SparseCase c(DType::bf16, 21, 1, true);
-    const SparseResult ref = run_sparse(c, Backend::reference, 1, with_sinks);
-    const SparseResult cpu = run_sparse(c, Backend::cpu, 2, with_sinks);
-    EXPECT_GT(ref.loss, 0.0f);
-    EXPECT_NEAR(cpu.loss, ref.loss, 2e-3 * std::abs(ref.loss) + 1e-6);
-    float grad_scale = 1e-6f;
-    for (float v : ref.score_grad) grad_scale = std::max(grad_scale, std::abs(v));
-    for (std::size_t i = 0; i < ref.score_grad.size(); ++i)
-      ASSERT_NEAR(cpu.score_grad[i], ref.score_grad[i], 2e-3 * grad_scale) << i;
-    // bf16 outputs and bf16 gradient coefficients in the tile products: a few bf16 ulps.
-    expect_close(cpu.dq, ref.dq, 2e-2, "d_index_query");
-    expect_close(cpu.dk, ref.dk, 2e-2, "d_index_key");
-    expect_close(cpu.dw, ref.dw, 2e-2, "d_weights");
-  }
+  for (core::Isa isa : {core::Isa::avx512, core::Isa::avx512_bf16, core::Isa::amx})
+    for (const auto& shape : kSparseShapes)
+      for (bool with_sinks : {false, true}) {
+        core::limit_isa_for_testing(isa);
+        SCOPED_TRACE(std::string(core::isa_name(isa)) + " H " + std::to_string(shape.h) + " D " +
+                     std::to_string(shape.d) + " Hi " + std::to_string(shape.hi) + " Di " + std::to_string(shape.di));
+        SparseCase c(DType::bf16, 21, 1, true, shape);
+        const SparseResult ref = run_sparse(c, Backend::reference, 1, with_sinks);
+        const SparseResult cpu = run_sparse(c, Backend::cpu, 2, with_sinks);
+        core::limit_isa_for_testing(core::Isa::amx);
+        EXPECT_GT(ref.loss, 0.0f);
+        EXPECT_NEAR(cpu.loss, ref.loss, 2e-3 * std::abs(ref.loss) + 1e-6);
+        float grad_scale = 1e-6f;
+        for (float v : ref.score_grad) grad_scale = std::max(grad_scale, std::abs(v));
+        for (std::size_t i = 0; i < ref.score_grad.size(); ++i)
+          ASSERT_NEAR(cpu.score_grad[i], ref.score_grad[i], 2e-3 * grad_scale) << i;
+        // bf16 outputs and bf16 gradient coefficients in the tile products: a few bf16 ulps.
+        expect_close(cpu.dq, ref.dq, 2e-2, "d_index_query");
+        expect_close(cpu.dk, ref.dk, 2e-2, "d_index_key");
+        expect_close(cpu.dw, ref.dw, 2e-2, "d_weights");
+      }
 }
 
 TEST(KlLossTiles, SparseBf16DeterministicAcrossThreads) {
-  SparseCase c(DType::bf16, 23, 1, true);
-  const SparseResult one = run_sparse(c, Backend::cpu, 1, true);
-  for (int threads : {2, 3}) {
-    const SparseResult other = run_sparse(c, Backend::cpu, threads, true);
-    EXPECT_EQ(one.loss, other.loss);
-    EXPECT_EQ(one.score_grad, other.score_grad);
-    expect_identical(one.dq, other.dq, "dq");
-    expect_identical(one.dk, other.dk, "dk");
-    expect_identical(one.dw, other.dw, "dw");
-  }
+  for (core::Isa isa : {core::Isa::avx512_bf16, core::Isa::amx})
+    for (const auto& shape : kSparseShapes) {
+      core::limit_isa_for_testing(isa);
+      SCOPED_TRACE(std::string(core::isa_name(isa)) + " H " + std::to_string(shape.h));
+      SparseCase c(DType::bf16, 23, 1, true, shape);
+      const SparseResult one = run_sparse(c, Backend::cpu, 1, true);
+      for (int threads : {2, 3}) {
+        const SparseResult other = run_sparse(c, Backend::cpu, threads, true);
+        EXPECT_EQ(one.loss, other.loss);
+        EXPECT_EQ(one.score_grad, other.score_grad);
+        expect_identical(one.dq, other.dq, "dq");
+        expect_identical(one.dk, other.dk, "dk");
+        expect_identical(one.dw, other.dw, "dw");
+      }
+      core::limit_isa_for_testing(core::Isa::amx);
+    }
 }
 
 // Dense warm-up: MHA or MQA main attention with rope, prefix KV in the second sequence.
@@ -241,11 +266,16 @@ struct DenseCase {
   CuSeqlens cu_q{0, 6, 14}, cu_k{0, 6, 22};
   Buffer iq, ik, w, q, k, qr, kr, mx, sm, lse;
 
-  // tiles: dims the AMX kernel takes (multiples of 32) and sequences spanning
-  // several 32-query blocks and 32-key tiles, the last ones partial.
-  DenseCase(DType dt, std::int64_t key_heads, std::uint32_t seed, bool tiles = false) : dtype(dt), Hk(key_heads) {
+  // tiles: dims the pair kernels take (multiples of 32) and sequences spanning
+  // several 32-query blocks and 32-key tiles, the last ones partial; dims are
+  // {D, Dr, Hi, Di}.
+  struct Dims {
+    std::int64_t d, dr, hi, di;
+  };
+  DenseCase(DType dt, std::int64_t key_heads, std::uint32_t seed, bool tiles = false, Dims dims = {32, 32, 5, 64})
+      : dtype(dt), Hk(key_heads) {
     if (tiles) {
-      T = 90, S = 190, D = 32, Dr = 32, Hi = 5, Di = 64;
+      T = 90, S = 190, D = dims.d, Dr = dims.dr, Hi = dims.hi, Di = dims.di;
       cu_q = {0, 40, 90};
       cu_k = {0, 40, 190};
     }
@@ -346,38 +376,52 @@ TEST_P(KlIsa, DenseDeterministicAcrossThreads) {
   expect_identical(one.dw, two.dw, "dw");
 }
 
-// bf16 shapes the dense AMX kernel takes (on AMX machines it runs; elsewhere the
-// generic kernels do): against the reference, MHA and MQA, and bit-identical for
-// 1, 2 and 3 threads.
+// bf16 shapes the dense pair kernels take (AMX tiles on AMX machines,
+// vdpbf16ps on AVX-512-BF16 ones, the generic kernels elsewhere), per ISA
+// level: against the reference, MHA and MQA, and bit-identical for 1, 2 and 3
+// threads. The dims cover a teacher split over two tensors of different widths
+// (D 128 + Dr 64) and indexer dims of two and six 16-wide groups.
+const DenseCase::Dims kDenseShapes[] = {{32, 32, 5, 64}, {128, 64, 3, 96}, {64, 32, 2, 32}};
+
 TEST(KlLossTiles, DenseBf16MatchesReference) {
-  for (core::Isa isa : {core::Isa::avx512, core::Isa::amx})
-  for (std::int64_t hk : {4, 1}) {
-    core::limit_isa_for_testing(isa);
-    DenseCase c(DType::bf16, hk, 31 + hk, true);
-    const DenseResult ref = run_dense(c, Backend::reference, 1, Reduction::mean);
-    const DenseResult cpu = run_dense(c, Backend::cpu, 2, Reduction::mean);
-    EXPECT_GT(ref.loss, 0.0f);
-    EXPECT_NEAR(cpu.loss, ref.loss, 2e-3 * std::abs(ref.loss) + 1e-6);
-    expect_close(cpu.lse, ref.lse, 1e-3, "indexer_lse");
-    // bf16 outputs and bf16 gradient coefficients in the tile products: a few bf16 ulps.
-    expect_close(cpu.dq, ref.dq, 2e-2, "d_index_query");
-    expect_close(cpu.dk, ref.dk, 2e-2, "d_index_key");
-    expect_close(cpu.dw, ref.dw, 2e-2, "d_head_weights");
-    core::limit_isa_for_testing(core::Isa::amx);
-  }
+  for (core::Isa isa : {core::Isa::avx512, core::Isa::avx512_bf16, core::Isa::amx})
+    for (const auto& dims : kDenseShapes)
+      for (std::int64_t hk : {4, 1}) {
+        core::limit_isa_for_testing(isa);
+        SCOPED_TRACE(std::string(core::isa_name(isa)) + " D " + std::to_string(dims.d) + " Dr " +
+                     std::to_string(dims.dr) + " Hi " + std::to_string(dims.hi) + " Di " + std::to_string(dims.di) +
+                     " Hk " + std::to_string(hk));
+        DenseCase c(DType::bf16, hk, 31 + hk, true, dims);
+        const DenseResult ref = run_dense(c, Backend::reference, 1, Reduction::mean);
+        const DenseResult cpu = run_dense(c, Backend::cpu, 2, Reduction::mean);
+        core::limit_isa_for_testing(core::Isa::amx);
+        EXPECT_GT(ref.loss, 0.0f);
+        EXPECT_NEAR(cpu.loss, ref.loss, 2e-3 * std::abs(ref.loss) + 1e-6);
+        expect_close(cpu.lse, ref.lse, 1e-3, "indexer_lse");
+        // bf16 outputs and bf16 gradient coefficients in the tile products: a few bf16 ulps.
+        expect_close(cpu.dq, ref.dq, 2e-2, "d_index_query");
+        expect_close(cpu.dk, ref.dk, 2e-2, "d_index_key");
+        expect_close(cpu.dw, ref.dw, 2e-2, "d_head_weights");
+      }
 }
 
 TEST(KlLossTiles, DenseBf16DeterministicAcrossThreads) {
-  DenseCase c(DType::bf16, 4, 37, true);
-  const DenseResult one = run_dense(c, Backend::cpu, 1, Reduction::mean);
-  for (int threads : {2, 3}) {
-    const DenseResult other = run_dense(c, Backend::cpu, threads, Reduction::mean);
-    EXPECT_EQ(one.loss, other.loss);
-    expect_identical(one.lse, other.lse, "lse");
-    expect_identical(one.dq, other.dq, "dq");
-    expect_identical(one.dk, other.dk, "dk");
-    expect_identical(one.dw, other.dw, "dw");
-  }
+  for (core::Isa isa : {core::Isa::avx512_bf16, core::Isa::amx})
+    for (const auto& dims : kDenseShapes) {
+      core::limit_isa_for_testing(isa);
+      SCOPED_TRACE(std::string(core::isa_name(isa)) + " Di " + std::to_string(dims.di));
+      DenseCase c(DType::bf16, 4, 37, true, dims);
+      const DenseResult one = run_dense(c, Backend::cpu, 1, Reduction::mean);
+      for (int threads : {2, 3}) {
+        const DenseResult other = run_dense(c, Backend::cpu, threads, Reduction::mean);
+        EXPECT_EQ(one.loss, other.loss);
+        expect_identical(one.lse, other.lse, "lse");
+        expect_identical(one.dq, other.dq, "dq");
+        expect_identical(one.dk, other.dk, "dk");
+        expect_identical(one.dw, other.dw, "dw");
+      }
+      core::limit_isa_for_testing(core::Isa::amx);
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, KlIsa,

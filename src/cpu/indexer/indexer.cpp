@@ -16,19 +16,20 @@
 #include "ops/indexer.h"
 
 namespace dsa::cpu {
-namespace {
 
-using namespace indexer_kernels;
-
-const ScoreKernel& pick_kernel(DType dtype) {
+const indexer_kernels::ScoreKernel& indexer_kernels::pick_score_kernel(DType dtype) {
   switch (core::cpu_isa()) {
     case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
-    case core::Isa::avx512_bf16:
+    case core::Isa::avx512_bf16: return dtype == DType::bf16 ? avx512_bf16_kernel() : avx512_kernel();
     case core::Isa::avx512: return avx512_kernel();
     case core::Isa::avx2: return avx2_kernel();
     default: return portable_kernel();
   }
 }
+
+namespace {
+
+using namespace indexer_kernels;
 
 struct Task {
   std::int64_t seq, first, tokens;
@@ -47,7 +48,7 @@ struct ThreadScratch {
 }  // namespace
 
 void indexer_topk(const IndexerProblem& p) {
-  const ScoreKernel& kernel = pick_kernel(p.dtype);
+  const ScoreKernel& kernel = pick_score_kernel(p.dtype);
   const AppendCandidatesFn append =
       core::cpu_isa() >= core::Isa::avx512 ? append_candidates_avx512 : append_candidates_portable;
   for (std::int64_t row : core::padding_rows(p.plan)) {

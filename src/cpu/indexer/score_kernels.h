@@ -46,6 +46,11 @@ struct ScoreKernel {
 const ScoreKernel& portable_kernel();
 const ScoreKernel& avx2_kernel();
 const ScoreKernel& avx512_kernel();
-const ScoreKernel& amx_kernel();  // bf16 inputs only
+const ScoreKernel& avx512_bf16_kernel();  // bf16 inputs only
+const ScoreKernel& amx_kernel();          // bf16 inputs only
+
+// The best kernel this CPU runs for inputs of this dtype (the indexer's and
+// dense_indexer_lse's dispatch).
+const ScoreKernel& pick_score_kernel(DType dtype);
 
 }  // namespace dsa::cpu::indexer_kernels

@@ -1,5 +1,5 @@
 // Fused CPU KL losses: ISA dispatch. dense_indexer_lse reuses the indexer's
-// score microkernels (AMX for bf16) with an online log-sum-exp per row.
+// score microkernels (AMX or AVX-512-BF16 for bf16) with an online log-sum-exp per row.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -8,7 +8,7 @@
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/indexer/score_kernels.h"
-#include "cpu/kl_loss/kl_amx.h"
+#include "cpu/kl_loss/kl_pairs.h"
 #include "cpu/kl_loss/kl_kernels.h"
 
 namespace dsa::cpu {
@@ -24,35 +24,34 @@ const kl_kernels::KlKernels& pick() {
   }
 }
 
-const indexer_kernels::ScoreKernel& pick_score_kernel(DType dtype) {
-  using namespace indexer_kernels;
-  switch (core::cpu_isa()) {
-    case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
-    case core::Isa::avx512_bf16:
-    case core::Isa::avx512: return avx512_kernel();
-    case core::Isa::avx2: return avx2_kernel();
-    default: return portable_kernel();
-  }
-}
-
 }  // namespace
 
-// bf16 on AMX machines: the tile kernels (kl_amx.cpp); otherwise the generic ones.
+// bf16 on AMX machines: the pair kernels with AMX tiles (kl_amx.cpp,
+// kl_dense_amx.cpp); on AVX-512-BF16 ones the same kernels on vdpbf16ps
+// (kl_avx512bf16.cpp, kl_dense_avx512bf16.cpp); otherwise the generic ones.
 void kl_loss_fwd(const SparseKlProblem& p) {
-  if (core::cpu_isa() == core::Isa::amx && kl_kernels::amx_sparse_supported(p)) return kl_kernels::amx_sparse_fwd(p);
+  using namespace kl_kernels;
+  if (core::cpu_isa() == core::Isa::amx && amx_sparse_supported(p)) return amx_sparse_fwd(p);
+  if (core::cpu_isa() == core::Isa::avx512_bf16 && avx512_bf16_sparse_supported(p)) return avx512_bf16_sparse_fwd(p);
   pick().sparse_fwd(p);
 }
 void kl_loss_bwd(const SparseKlBackwardProblem& p) {
-  if (core::cpu_isa() == core::Isa::amx && kl_kernels::amx_sparse_bwd_supported(p))
-    return kl_kernels::amx_sparse_bwd(p);
+  using namespace kl_kernels;
+  if (core::cpu_isa() == core::Isa::amx && amx_sparse_bwd_supported(p)) return amx_sparse_bwd(p);
+  if (core::cpu_isa() == core::Isa::avx512_bf16 && avx512_bf16_sparse_bwd_supported(p))
+    return avx512_bf16_sparse_bwd(p);
   pick().sparse_bwd(p);
 }
 void dense_indexer_kl_loss_fwd(const DenseKlProblem& p) {
-  if (core::cpu_isa() == core::Isa::amx && kl_kernels::amx_dense_supported(p)) return kl_kernels::amx_dense_fwd(p);
+  using namespace kl_kernels;
+  if (core::cpu_isa() == core::Isa::amx && amx_dense_supported(p)) return amx_dense_fwd(p);
+  if (core::cpu_isa() == core::Isa::avx512_bf16 && avx512_bf16_dense_supported(p)) return avx512_bf16_dense_fwd(p);
   pick().dense_fwd(p);
 }
 void dense_indexer_kl_loss_bwd(const DenseKlProblem& p) {
-  if (core::cpu_isa() == core::Isa::amx && kl_kernels::amx_dense_supported(p)) return kl_kernels::amx_dense_bwd(p);
+  using namespace kl_kernels;
+  if (core::cpu_isa() == core::Isa::amx && amx_dense_supported(p)) return amx_dense_bwd(p);
+  if (core::cpu_isa() == core::Isa::avx512_bf16 && avx512_bf16_dense_supported(p)) return avx512_bf16_dense_bwd(p);
   pick().dense_bwd(p);
 }
 

@@ -1,5 +1,6 @@
-// AMX/AVX-512 helpers shared by the KL tile kernels (kl_amx.cpp, kl_dense_amx.cpp).
-// Include only from *_amx.cpp files (they get the AMX + AVX-512 compile flags).
+// AVX-512 helpers shared by the KL kernels on bf16 pairs (kl_sparse_pairs.inc,
+// kl_dense_pairs.inc). Include only from *_amx.cpp and *_avx512bf16.cpp files
+// (they get the AVX-512 compile flags).
 #pragma once
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -11,12 +12,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "cpu/isa/amx.h"
+#include "cpu/isa/avx512.h"
 
-namespace dsa::cpu::kl_kernels::amx {
+namespace dsa::cpu::kl_kernels::pairs {
 
-using ::dsa::cpu::amx::configure_tiles;
-using ::dsa::cpu::amx::transpose16x16;
+using ::dsa::cpu::avx512::transpose16x16;
 
 // exp for lanes (Cephes-style, ~1 ulp), NaN propagates, exact 0 below -87.
 inline __m512 exp512(__m512 x) {
@@ -68,4 +68,4 @@ inline T* align64(std::vector<std::uint8_t>& v) {
 }
 
 
-}  // namespace dsa::cpu::kl_kernels::amx
+}  // namespace dsa::cpu::kl_kernels::pairs

@@ -1,0 +1,130 @@
+// The vdpbf16ps product engine: C (+)= A . B on bf16 pairs with fp32
+// accumulation, for CPUs with AVX-512-BF16 but no AMX (Zen 4, Zen 5, Cooper
+// Lake). Include only from *_avx512bf16.cpp files.
+//
+// The operands keep the AMX tile layouts, so what a kernel packs for tiles
+// serves here as it is: a B tile row is one zmm (16 columns x one pair of
+// contraction indices) and an A element pair is one 32-bit broadcast
+// (vpbroadcastd from memory), shared by the N column groups of its row. A
+// register block of R C rows x N column groups of 16 stays in zmm accumulators
+// over the whole contraction; R x N is 16 accumulators (12 for N = 3): enough
+// independent chains to hide vdpbf16ps's latency, with room for the N B rows.
+//
+// Every C element is accumulated chunk by chunk, pair by pair, in contraction
+// order, so the blocking never changes the bits: a kernel gives the same
+// results whichever row or column split it uses.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace dsa::cpu::avx512bf16 {
+
+// Element offsets (bf16 elements for A and B, floats for C) of one product.
+//   A: row i, contraction chunk kc (32 bf16 = 16 pairs) at a + i * a_stride + kc * a_chunk
+//   B: chunk kc, column group j (16 columns), pair p at b + kc * b_chunk + j * b_group + p * b_stride
+//   C: row i, column group j at c + i * c_stride + j * c_group
+struct PairGemm {
+  float* c;
+  std::int64_t c_stride, c_group;
+  const std::uint16_t* a;
+  std::int64_t a_stride, a_chunk;
+  const std::uint16_t* b;
+  std::int64_t b_stride, b_chunk, b_group;
+  std::int64_t k_chunks;
+};
+
+// Packed B tiles are kept as u32 pairs; the engine addresses them in bf16 elements.
+inline const std::uint16_t* as_bf16(const std::uint32_t* pairs) { return reinterpret_cast<const std::uint16_t*>(pairs); }
+
+namespace detail {
+
+constexpr int rows_for(int n) { return n >= 3 ? 4 : 16 / n; }
+
+inline __m512bh broadcast_pair(const std::uint16_t* p) {
+  std::int32_t v;
+  std::memcpy(&v, p, 4);
+  return (__m512bh)_mm512_set1_epi32(v);
+}
+
+// acc[r][j] += A row (row0 + r) . B column group (group0 + j) over g.k_chunks
+// chunks, for the first M of the block's N groups.
+template <int R, int N, int M = N>
+inline void accumulate(__m512 (&acc)[R][N], const PairGemm& g, std::int64_t row0, std::int64_t group0) {
+  const std::uint16_t* a = g.a + row0 * g.a_stride;
+  const std::uint16_t* b = g.b + group0 * g.b_group;
+  for (std::int64_t kc = 0; kc < g.k_chunks; ++kc) {
+    const std::uint16_t* ak = a + kc * g.a_chunk;
+    const std::uint16_t* bk = b + kc * g.b_chunk;
+    for (int p = 0; p < 16; ++p) {
+      __m512bh bv[M];
+#pragma GCC unroll 4
+      for (int j = 0; j < M; ++j) bv[j] = (__m512bh)_mm512_loadu_si512(bk + j * g.b_group + p * g.b_stride);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512bh av = broadcast_pair(ak + r * g.a_stride + 2 * p);
+#pragma GCC unroll 4
+        for (int j = 0; j < M; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], av, bv[j]);
+      }
+    }
+  }
+}
+
+// One register block: rows [row0, row0 + R) x groups [group0, group0 + N) of
+// g, plus, where second is given, its product over the first n2 of those groups.
+template <int N>
+inline void block(bool accumulate_c, const PairGemm& g, std::int64_t row0, std::int64_t group0,
+                  const PairGemm* second, int n2) {
+  constexpr int R = rows_for(N);
+  __m512 acc[R][N];
+  float* c = g.c + row0 * g.c_stride + group0 * g.c_group;
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < N; ++j)
+      acc[r][j] = accumulate_c ? _mm512_loadu_ps(c + r * g.c_stride + j * g.c_group) : _mm512_setzero_ps();
+  accumulate<R, N>(acc, g, row0, group0);
+  if (second) {
+    switch (n2) {  // n2 <= N
+      case 4: if constexpr (N >= 4) accumulate<R, N, 4>(acc, *second, row0, group0); break;
+      case 3: if constexpr (N >= 3) accumulate<R, N, 3>(acc, *second, row0, group0); break;
+      case 2: if constexpr (N >= 2) accumulate<R, N, 2>(acc, *second, row0, group0); break;
+      case 1: accumulate<R, N, 1>(acc, *second, row0, group0); break;
+      default: break;
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < N; ++j) _mm512_storeu_ps(c + r * g.c_stride + j * g.c_group, acc[r][j]);
+}
+
+}  // namespace detail
+
+// C [m_rows][n_groups * 16] (+)= A . B (m_rows a multiple of 16). Where second
+// is given (same C, same rows), its product A2 . B2 is added to the column
+// groups below n2_groups while they are in registers: the attention dkv pass
+// adds its value part P^T.dO to the key part dS^T.Q that way.
+inline void gemm(bool accumulate, const PairGemm& g, std::int64_t m_rows, std::int64_t n_groups,
+                 const PairGemm* second = nullptr, std::int64_t n2_groups = 0) {
+  constexpr int kCols = 4;
+  for (std::int64_t group0 = 0; group0 < n_groups; group0 += kCols) {
+    const int n = static_cast<int>(std::min<std::int64_t>(kCols, n_groups - group0));
+    const int n2 = second ? static_cast<int>(std::clamp<std::int64_t>(n2_groups - group0, 0, n)) : 0;
+    const PairGemm* sec = n2 > 0 ? second : nullptr;
+    const std::int64_t rows = detail::rows_for(n);
+    for (std::int64_t row0 = 0; row0 < m_rows; row0 += rows) {
+      switch (n) {
+        case 4: detail::block<4>(accumulate, g, row0, group0, sec, n2); break;
+        case 3: detail::block<3>(accumulate, g, row0, group0, sec, n2); break;
+        case 2: detail::block<2>(accumulate, g, row0, group0, sec, n2); break;
+        default: detail::block<1>(accumulate, g, row0, group0, sec, n2); break;
+      }
+    }
+  }
+}
+
+}  // namespace dsa::cpu::avx512bf16
