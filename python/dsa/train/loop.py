@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -120,27 +121,32 @@ def _patch(model, spec: RunSpec):
     flags = CONFIGS[spec.config]
     if flags is None:
         return None
-    from ..integrations.transformers import patch
+    from ..integrations.transformers import patch, track_indexer_recall
 
-    return patch(model, **flags, indexer_loss=spec.indexer_loss, loss_coefficient=spec.loss_coefficient,
-                 strict=True)
+    patch(model, **flags, indexer_loss=spec.indexer_loss, loss_coefficient=spec.loss_coefficient, strict=True)
+    track_indexer_recall(model)  # the selection's recall, whichever indexer (dsa's or the model's) made it
+    return model
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _by_layer_type(values: dict, types: list[str]) -> dict[str, float]:
+    """{module name: value} -> {layer type: mean value} (None values left out)."""
+    by_type: dict[str, list[float]] = {}
+    for name, value in values.items():
+        m = _LAYER.search(name)
+        if m is None or value is None:
+            continue
+        by_type.setdefault(types[int(m.group(1))], []).append(float(value))
+    return {t: sum(v) / len(v) for t, v in by_type.items()}
 
 
 def _indexer_figures(model, types: list[str]) -> tuple[dict[str, float], dict[str, float]]:
-    """Per layer type: the mean indexer KL and recall@k of the last step (empty if the patch gives none)."""
-    try:
-        from ..integrations.transformers import indexer_metrics
-    except ImportError:
-        return {}, {}
-    per_layer = indexer_metrics(model)  # {layer index: {"kl": float, "recall": float}}
-    kl, recall = {}, {}
-    for name, out in (("kl", kl), ("recall", recall)):
-        by_type: dict[str, list[float]] = {}
-        for i, values in per_layer.items():
-            if values.get(name) is not None:
-                by_type.setdefault(types[i], []).append(float(values[name]))
-        out.update({t: sum(v) / len(v) for t, v in by_type.items()})
-    return kl, recall
+    """Per layer type: the mean indexer KL and recall@k of the last step."""
+    from ..integrations.transformers import indexer_losses, indexer_recall
+
+    return _by_layer_type(indexer_losses(model), types), _by_layer_type(indexer_recall(model), types)
 
 
 def run(spec: RunSpec) -> dict:

@@ -19,7 +19,8 @@ import torch
 
 from ._state import INDEXER_LOSSES, Options, PatchFallbackError, PatchState, env_value, options_from_env
 
-__all__ = ["patch", "unpatch", "is_patched", "indexer_losses", "fallback_counts", "PatchFallbackError"]
+__all__ = ["patch", "unpatch", "is_patched", "indexer_losses", "indexer_recall", "track_indexer_recall",
+           "fallback_counts", "PatchFallbackError"]
 
 _STATE_ATTR = "_dsa_patch_state"
 _BACKENDS = ("auto", "reference", "cpu", "cuda")
@@ -138,6 +139,18 @@ def _state(model) -> PatchState:
 def indexer_losses(model: torch.nn.Module) -> dict:
     """Each layer's latest indexer loss (detached fp32 scalars), keyed by attention module name."""
     return dict(_state(model).indexer_losses)
+
+
+def track_indexer_recall(model: torch.nn.Module, enabled: bool = True) -> None:
+    """From the next call on, each patched V4 CSA layer measures its indexer recall@k
+    (see _metrics.py: attention mass on the selection / on the attention's own top k)."""
+    _state(model).track_recall = bool(enabled)
+
+
+def indexer_recall(model: torch.nn.Module) -> dict:
+    """Each tracked layer's latest indexer recall@k (a float, None when no row had more
+    visible entries than k), keyed by attention module name."""
+    return dict(_state(model).indexer_recall)
 
 
 def fallback_counts(model: torch.nn.Module) -> dict:

@@ -61,6 +61,8 @@ class PatchState:
     fallbacks: Counter = field(default_factory=Counter)
     warned: set = field(default_factory=set)
     indexer_losses: dict = field(default_factory=dict)
+    track_recall: bool = False  # measure indexer recall@k on each call (track_indexer_recall)
+    indexer_recall: dict = field(default_factory=dict)
     # (mask tensor, position_ids tensor, extra key, geometry) of the last call: every
     # layer of a forward sees the same mask object, so it is analysed once.
     geometry_cache: list = field(default_factory=list)

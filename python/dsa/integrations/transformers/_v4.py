@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ... import dsa_compressor, dsa_indexer, dsa_kl_loss, dsa_sparse_attention
-from . import _geometry, _loss
+from . import _geometry, _loss, _metrics
 from ._checks import call_reason, cache_layer_reason
 
 from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -188,6 +188,9 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
                          backend=opts.backend)
         st.indexer_losses[self._dsa_name] = kl.detach()
         out = _loss.attach(out, kl)
+    if st.track_recall and cmp_idx is not None and cmp_kv is not None:
+        st.indexer_recall[self._dsa_name] = _metrics.recall_at_k(geom.flat(q), cmp_kv, cmp_idx, self.scaling,
+                                                                 ratio, geom)
     out = geom.unflat(out)
     out = _rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
     grouped = self.o_a_proj(out.reshape(batch, seq, self.config.o_groups, -1)).flatten(2)
