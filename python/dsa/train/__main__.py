@@ -76,6 +76,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--_child-spec", help=argparse.SUPPRESS)
     ap.add_argument("--_child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--_child-budget", type=float, help=argparse.SUPPRESS)
     return ap
 
 
@@ -91,7 +92,12 @@ def main(argv=None) -> int:
 
     if args._child_spec:  # one configuration of --compare, in its own process
         spec = RunSpec(**json.loads(args._child_spec))
-        write_json(run(spec), args._child_out)
+        if args._child_budget is not None:
+            from .loop import search_layers
+
+            write_json(search_layers(spec, args._child_budget, _log), args._child_out)
+        else:
+            write_json(run(spec), args._child_out)
         return 0
     if args.warmup_steps is None:
         args.warmup_steps = min(RunSpec().warmup_steps, args.steps - 1)

@@ -17,11 +17,14 @@ from .loop import CONFIGS, RunSpec
 GIB = 1.0
 
 
-def _child(spec: RunSpec, timeout_s: float) -> dict:
-    """Runs one configuration in a fresh interpreter and returns its result JSON."""
+def _child(spec: RunSpec, timeout_s: float, budget_gib: float | None = None) -> dict:
+    """Runs one configuration (or, with `budget_gib`, its layers-within-budget search) in a
+    fresh interpreter and returns its result JSON."""
     with tempfile.TemporaryDirectory(prefix="dsa-train-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "dsa.train", "--_child-spec", json.dumps(asdict(spec)), "--_child-out", str(out)]
+        if budget_gib is not None:
+            cmd += ["--_child-budget", str(budget_gib)]
         try:
             proc = subprocess.run(cmd, timeout=timeout_s, stdout=subprocess.PIPE, stderr=None, text=True)
         except subprocess.TimeoutExpired:
@@ -29,36 +32,6 @@ def _child(spec: RunSpec, timeout_s: float) -> dict:
         if proc.returncode != 0 or not out.exists():
             return {"error": f"exit code {proc.returncode}: {proc.stdout.strip()[-400:]}"}
         return json.loads(out.read_text())
-
-
-def layers_within(spec: RunSpec, budget_gib: float, timeout_s: float, log) -> dict:
-    """The most layers (a multiple of the 4-layer pattern's prefix, any count) whose two
-    training steps stay within `budget_gib` peak RSS: measured at 1 and 2 layers, extrapolated
-    linearly, then the estimate is run and the count adjusted until measured."""
-    probe = replace(spec, steps=2, warmup_steps=1, save=None, resume=None, progress=False)
-    measured: dict[int, float] = {}
-
-    def peak(layers: int) -> float:
-        if layers not in measured:
-            r = _child(replace(probe, layers=layers), timeout_s)
-            measured[layers] = math.inf if "error" in r else r["memory_gib"]["peak_rss"]
-            log(f"  {spec.config}: {layers} layers -> peak {measured[layers]:.2f} GiB")
-        return measured[layers]
-
-    one, two = peak(1), peak(2)
-    if not math.isfinite(one) or one > budget_gib:
-        return {"layers": 0, "measured": measured}
-    per_layer = max(two - one, 1e-3)
-    guess = max(1, int((budget_gib - one) / per_layer) + 1)
-    guess = min(guess, 512)
-    # Walk from the estimate to the boundary, measuring every step.
-    if peak(guess) <= budget_gib:
-        while guess < 512 and peak(guess + 1) <= budget_gib:
-            guess += 1
-    else:
-        while guess > 1 and peak(guess) > budget_gib:
-            guess -= 1
-    return {"layers": guess, "per_layer_gib": per_layer, "measured": {str(k): v for k, v in measured.items()}}
 
 
 def compare(spec: RunSpec, budget_gib: float | None, timeout_s: float, log) -> dict:
@@ -79,7 +52,7 @@ def compare(spec: RunSpec, budget_gib: float | None, timeout_s: float, log) -> d
     if budget_gib:
         log(f"[compare] layers within {budget_gib} GiB")
         result["memory_budget_gib"] = budget_gib
-        result["layers_within_budget"] = {name: layers_within(replace(spec, config=name), budget_gib, timeout_s, log)
+        result["layers_within_budget"] = {name: _child(replace(spec, config=name), timeout_s, budget_gib)
                                           for name in CONFIGS}
     return result
 
@@ -137,8 +110,12 @@ def tables(result: dict) -> str:
         lines.append(f"most layers within {result['memory_budget_gib']} GiB:")
         base_l = result["layers_within_budget"].get("unpatched", {}).get("layers")
         for name, b in result["layers_within_budget"].items():
+            if "error" in b:
+                lines.append(f"  {name:<10} failed: {b['error']}")
+                continue
             ratio = f" ({b['layers'] / base_l:.1f}x)" if base_l else ""
-            lines.append(f"  {name:<10} {b['layers']}{ratio}")
+            bound = "" if b.get("exact", True) else " (at least: search stopped)"
+            lines.append(f"  {name:<10} {b['layers']}{ratio}{bound}")
     return "\n".join(lines)
 
 

@@ -7,7 +7,7 @@ import os
 import re
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -208,6 +208,89 @@ def run(spec: RunSpec) -> dict:
     if spec.save:
         _save(spec.save, model, optimizer, batches, start_step + spec.steps)
     return summarise(spec, types, records, rss_start, _rss_gib("VmHWM"))
+
+
+def _release_memory() -> None:
+    """Returns what a finished probe held to the OS, so the next probe's peak is its own."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    from .. import empty_buffer_pool
+
+    empty_buffer_pool()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _reset_peak_rss() -> bool:
+    """Linux: '5' in /proc/self/clear_refs resets VmHWM to the current RSS."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+MAX_LAYERS = 256
+MAX_PROBES = 12
+
+
+def search_layers(spec: RunSpec, budget_gib: float, log=lambda msg: None) -> dict:
+    """The most layers whose two training steps stay within `budget_gib` of peak RSS, found
+    in this one process (run it in a fresh one). Each probe builds the model at a layer
+    count and trains two steps; its peak is this process's RSS after the imports plus what
+    the probe added over the RSS it started from (freed memory is returned to the OS and
+    the kernel's high-water mark reset in between, so probes do not see each other).
+
+    Probes: 1 and 2 layers, extrapolated linearly; the estimate and its neighbours; then
+    bisection between the largest count that fits and the smallest that does not
+    (doubling while none is over). `exact` says whether the two ended adjacent."""
+    # A first one-step run at 1 layer puts the one-time costs (imports, library
+    # initialisation, first-use caches) into the baseline instead of the first probe.
+    run(replace(spec, layers=1, steps=1, warmup_steps=0, save=None, resume=None, progress=False))
+    _release_memory()
+    base = _rss_gib("VmRSS")
+    measured: dict[int, float] = {}
+    can_reset = True
+
+    def measure(layers: int) -> None:
+        nonlocal can_reset
+        if layers in measured or not 1 <= layers <= MAX_LAYERS or not can_reset or len(measured) >= MAX_PROBES:
+            return
+        _release_memory()
+        can_reset = _reset_peak_rss()
+        start = _rss_gib("VmRSS")
+        run(replace(spec, layers=layers, steps=2, warmup_steps=1, save=None, resume=None, progress=False))
+        measured[layers] = base + max(0.0, _rss_gib("VmHWM") - start)
+        log(f"  {spec.config}: {layers} layers -> peak {measured[layers]:.2f} GiB")
+
+    def bracket():
+        over = min((c for c, v in measured.items() if v > budget_gib), default=None)
+        fits = max((c for c, v in measured.items() if v <= budget_gib and (over is None or c < over)), default=0)
+        return fits, over
+
+    measure(1)
+    measure(2)
+    if len(measured) == 2 and measured[1] <= budget_gib:
+        per_layer = max(measured[2] - measured[1], 1e-4)
+        guess = int((budget_gib - measured[1]) / per_layer) + 1
+        for c in (guess, guess + 1, guess - 1):
+            measure(min(MAX_LAYERS, max(1, c)))
+    while len(measured) < MAX_PROBES and can_reset:
+        fits, over = bracket()
+        if fits == 0 or fits >= MAX_LAYERS or (over is not None and over == fits + 1):
+            break
+        nxt = (fits + over) // 2 if over is not None else min(MAX_LAYERS, 2 * fits)
+        if nxt in measured:
+            break
+        measure(nxt)
+    fits, over = bracket()
+    exact = fits == 0 or fits >= MAX_LAYERS or (over is not None and over == fits + 1)
+    return {"layers": fits, "exact": exact, "baseline_gib": base,
+            "measured": {str(k): v for k, v in sorted(measured.items())}}
 
 
 def summarise(spec: RunSpec, types: list[str], records: list[StepRecord], rss_start: float, rss_peak: float) -> dict:
