@@ -42,7 +42,9 @@ def header_lines(machine: dict, ceilings: dict) -> list[str]:
     else:
         bf16 = (f"bf16 GEMM not measured: emulated ({probe.get('bf16_n', n)}^3 bf16 {_flops(probe.get('bf16_flops'))} "
                 f"vs fp32 {_flops(probe.get('fp32_flops'))}); bf16 cases also run the naive peer in fp32")
-    used = sorted({r for r in machine.get("ceilings_used", [])})
+    used = list(machine.get("ceilings_used", []))
+    budget = machine.get("budget_s")
+    budget = f"{budget:.0f} s" if isinstance(budget, (int, float)) else "a time budget"
     return [
         f"machine: {machine['cpu']}, {machine['threads']} of {machine['logical_cpus']} "
         f"logical CPUs used, ISA {isa} (dsa's, after DSA_ISA), torch {machine['torch']}, "
@@ -55,7 +57,7 @@ def header_lines(machine: dict, ceilings: dict) -> list[str]:
         + " (compute cases: the bf16 GEMM on AMX where torch's bf16 is native, else the peak of dsa's ISA)",
         f"timing: median of runs after warm-up, each run after {machine.get('cache_flush_mib', '?')} MiB "
         f"written to flush the caches, garbage collector off; each implementation in a child process "
-        f"given {machine.get('budget_s', '?'):.0f} s",
+        f"given {budget} (then killed: 'skipped: over N s')",
     ]
 
 
