@@ -25,7 +25,7 @@ def _ms(x: Optional[float]) -> str:
 def _flops(x: Optional[float]) -> str:
     if not finite(x):
         return "-"
-    return f"{x / 1e12:.2f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.0f} GFLOP/s"
+    return f"{x / 1e12:.2f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.3g} GFLOP/s"
 
 
 def header_lines(machine: dict, ceilings: dict) -> list[str]:
@@ -75,7 +75,9 @@ def rows(results: list[Result]) -> list[tuple[str, ...]]:
         else:
             thr = "-"
         pct = f"{r.pct_of_ceiling:.1f}%" if finite(r.pct_of_ceiling) else "-"
-        if r.timing_cut:
+        if r.warmup_only:
+            pct += " (warm-up)"
+        elif r.timing_cut:
             pct += " (cut)"
         mem = "error" if r.memory_error is not None else (
             _num(r.peak_extra_mib, ".2f" if finite(r.peak_extra_mib) and r.peak_extra_mib < 10 else ".1f"))
@@ -111,8 +113,11 @@ def notes(results: list[Result], case_notes: dict[str, str]) -> list[str]:
     if any(r.impl == "naive_fp32" for r in results):
         out.append("naive_fp32: the naive peer on the inputs cast to fp32 at set-up (torch's bf16 is "
                    "emulated here); the speed-up and memory columns use the faster of naive and naive_fp32")
-    if any(r.timing_cut for r in results):
+    if any(r.timing_cut and not r.warmup_only for r in results):
         out.append("(cut): the timing budget ran out before the planned runs; the median is over those that finished")
+    if any(r.warmup_only for r in results):
+        out.append("(warm-up): no timed run fit the budget after the warm-up run, so the time is that of the "
+                   "warm-up run (lazy initialisation included, no cache flush before it)")
     for r in results:
         if r.memory_error:
             out.append(f"{r.case} [{r.impl}]: memory measurement failed: {r.memory_error}")

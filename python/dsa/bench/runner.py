@@ -252,7 +252,7 @@ def time_in_subprocess(case: Case, impl: str, threads: int, budget_s: float) -> 
     (an emulated bf16 matmul) without waiting for it.
     """
     cmd = [sys.executable, "-m", "dsa.bench._time", "--case", case.name, "--impl", impl,
-           "--threads", str(threads), "--budget", f"{budget_s:.3f}"]
+           "--threads", str(threads), "--deadline", f"{time.time() + budget_s:.3f}"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), timeout=budget_s)
         out, err, code, killed = proc.stdout, proc.stderr, proc.returncode, False
@@ -266,9 +266,14 @@ def time_in_subprocess(case: Case, impl: str, threads: int, budget_s: float) -> 
             except ValueError:
                 pass
     times = [e["run_s"] for e in events if "run_s" in e]
+    warmups = [e["warmup_s"] for e in events if "warmup_s" in e]
     final = next((e for e in events if "done" in e), None)
     if killed or (final is not None and final.get("over_budget")):
-        return {"times": times, "cut": True} if times else {"over_budget": True}
+        if times:
+            return {"times": times, "cut": True}
+        # A call of many seconds: its warm-up run is a measurement too (lazy
+        # initialisation is milliseconds of it), better than none; marked.
+        return {"times": warmups[-1:], "cut": True, "warmup_only": True} if warmups else {"over_budget": True}
     if code != 0:
         tail = (err or out).strip().splitlines()[-1:] or [f"exit {code}"]
         return {"error": tail[0]}
@@ -314,6 +319,7 @@ class Result:
     ceiling_label: str = ""                  # what the table calls it, e.g. "bf16 dot avx512"
     pct_of_ceiling: Optional[float] = None
     timing_cut: bool = False                 # fewer timed runs than planned: the budget ran out
+    warmup_only: bool = False                # not even one timed run fit: the time is the warm-up run's
     peak_extra_mib: Optional[float] = None
     memory_method: Optional[str] = None
     memory_error: Optional[str] = None
@@ -354,7 +360,7 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, 
             if got.get("over_budget"):
                 r.skipped = f"over {budget_s:.0f} s (timing budget per implementation)"
                 continue
-            times, r.timing_cut = got["times"], bool(got.get("cut"))
+            times, r.timing_cut, r.warmup_only = got["times"], bool(got.get("cut")), bool(got.get("warmup_only"))
         else:
             fn, setup = impl_callable(case, impl)
             if impl not in inputs:
@@ -384,6 +390,9 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, 
     if memory:
         for r in results:
             if r.skipped or r.error:
+                continue
+            if r.warmup_only:  # set-up and two calls would not fit twice the budget either
+                r.memory_error = "not measured: one call took the whole timing budget"
                 continue
             log(f"  {case.name} [{r.impl}] peak memory (fresh process) ...")
             # Set-up, a warm-up and one run: what the timing child did within its budget.
