@@ -42,6 +42,8 @@ def header_lines(machine: dict, ceilings: dict) -> list[str]:
     else:
         bf16 = (f"bf16 GEMM not measured: emulated ({probe.get('bf16_n', n)}^3 bf16 {_flops(probe.get('bf16_flops'))} "
                 f"vs fp32 {_flops(probe.get('fp32_flops'))}); bf16 cases also run the naive peer in fp32")
+    if probe.get("forced"):
+        bf16 += f" [treated as {probe['forced']} by --bf16]"
     used = list(machine.get("ceilings_used", []))
     budget = machine.get("budget_s")
     budget = f"{budget:.0f} s" if isinstance(budget, (int, float)) else "a time budget"
