@@ -234,9 +234,11 @@ def test_dsa_peak_microbenchmark_is_short_and_validates():
 
 
 def test_probe_bf16_is_bounded():
+    threads = torch.get_num_threads()
     t0 = time.perf_counter()
     probe = machine.probe_bf16(budget_s=1.0)
     assert time.perf_counter() - t0 < 10
+    assert torch.get_num_threads() == threads  # it runs on one thread, then restores the count
     assert probe["fp32_flops"] > 0 and probe["bf16_flops"] > 0
     assert probe["native"] == (probe["bf16_flops"] >= machine.BF16_NATIVE_MIN_RATIO * probe["fp32_flops"])
 

@@ -170,16 +170,30 @@ def _gemm_rate(dtype: torch.dtype, n: int, max_reps: int, budget_s: float) -> fl
 def probe_bf16(n: int = 512, budget_s: float = 1.0) -> dict:
     """Whether torch's bf16 matmul is native here: bf16 vs fp32 FLOP/s on n^3.
 
-    A 128^3 bf16 matmul first (2 ms even where bf16 is emulated at ~1 GFLOP/s)
-    predicts the n^3 one; if that would not fit ``budget_s`` bf16 is emulated
+    A few 128^3 bf16 matmuls first (~15 ms each even where bf16 is emulated at
+    ~0.3 GFLOP/s) predict the n^3 one; if that would not fit ``budget_s`` bf16 is emulated
     without running it. Returns {"native", "bf16_flops", "fp32_flops", "n"}.
     """
+    # One thread: whether the path is native does not depend on the thread count,
+    # and on a loaded machine a multi-threaded call of a millisecond waits for
+    # preempted team threads (measured: 25x slower at load 8 on 2 cores), a
+    # single-threaded one only for its own core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _probe_bf16(n, budget_s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe_bf16(n: int, budget_s: float) -> dict:
     fp32 = _gemm_rate(torch.float32, n, 3, budget_s / 4)
     a, b, c = _gemm_inputs(torch.bfloat16, 128)
-    torch.matmul(a, b, out=c)  # the first call creates (JITs) oneDNN's primitive: ~10 ms, not the rate
-    t0 = time.perf_counter()
-    torch.matmul(a, b, out=c)
-    small = 2.0 * 128 ** 3 / max(time.perf_counter() - t0, 1e-9)
+    # The first call creates (JITs) oneDNN's primitive: ~10 ms, not the rate. Then
+    # the best of a few calls: on a loaded machine one call can lose a whole time
+    # slice (~10 ms) and would read as emulated. Emulated, each call is ~15 ms.
+    small_s, _ = _run_bounded(lambda: torch.matmul(a, b, out=c), 5, budget_s / 10)
+    small = 2.0 * 128 ** 3 / max(small_s, 1e-9)
     if 2.0 * n ** 3 / small * 2 > budget_s:  # warm-up + one timed call would not fit
         bf16, size = small, 128
     else:
@@ -222,10 +236,13 @@ def measure_ceilings(threads: int, bf16: dict, gemm_size: int = 4096, copy_mib: 
     "bf16_gemm" only where ``bf16["native"]`` (the probe_bf16 result). info:
     the GEMM sizes used."""
     ceilings = peak_flops(threads)
-    ceilings["fp32_gemm"], n32 = gemm_flops(torch.float32, gemm_size, rate_hint=bf16["fp32_flops"])
+    # The probe ran on one thread: all threads at perfect scaling is the optimistic
+    # hint (a call may then take up to `threads` times longer than predicted, at worst).
+    ceilings["fp32_gemm"], n32 = gemm_flops(torch.float32, gemm_size, rate_hint=bf16["fp32_flops"] * threads)
     info = {"fp32_gemm_n": n32}
     if bf16["native"]:
-        ceilings["bf16_gemm"], n16 = gemm_flops(torch.bfloat16, gemm_size, reps=5, rate_hint=bf16["bf16_flops"])
+        ceilings["bf16_gemm"], n16 = gemm_flops(torch.bfloat16, gemm_size, reps=5,
+                                                rate_hint=bf16["bf16_flops"] * threads)
         info["bf16_gemm_n"] = n16
     ceilings["copy_bw"] = copy_bandwidth(copy_mib)
     return ceilings, info

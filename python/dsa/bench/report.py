@@ -38,10 +38,11 @@ def header_lines(machine: dict, ceilings: dict) -> list[str]:
     n = probe.get("n", "?")
     if "bf16_gemm" in ceilings:
         bf16 = (f"bf16 GEMM {_flops(ceilings['bf16_gemm'])} (native: {n}^3 bf16 at "
-                f"{probe.get('bf16_flops', 0) / max(probe.get('fp32_flops', 1), 1):.1f}x fp32)")
+                f"{probe.get('bf16_flops', 0) / max(probe.get('fp32_flops', 1), 1):.1f}x fp32 on one thread)")
     else:
-        bf16 = (f"bf16 GEMM not measured: emulated ({probe.get('bf16_n', n)}^3 bf16 {_flops(probe.get('bf16_flops'))} "
-                f"vs fp32 {_flops(probe.get('fp32_flops'))}); bf16 cases also run the naive peer in fp32")
+        bf16 = (f"bf16 GEMM not measured: emulated (one thread: {probe.get('bf16_n', n)}^3 bf16 "
+                f"{_flops(probe.get('bf16_flops'))} vs {n}^3 fp32 {_flops(probe.get('fp32_flops'))}); "
+                f"bf16 cases also run the naive peer in fp32")
     if probe.get("forced"):
         bf16 += f" [treated as {probe['forced']} by --bf16]"
     used = list(machine.get("ceilings_used", []))
@@ -122,7 +123,9 @@ def notes(results: list[Result], case_notes: dict[str, str]) -> list[str]:
                    "warm-up run (lazy initialisation included, no cache flush before it)")
     for r in results:
         if r.memory_error:
-            out.append(f"{r.case} [{r.impl}]: memory measurement failed: {r.memory_error}")
+            what = r.memory_error if r.memory_error.startswith("not measured") else \
+                f"memory measurement failed: {r.memory_error}"
+            out.append(f"{r.case} [{r.impl}]: {what}")
     return out
 
 
