@@ -310,3 +310,19 @@ def test_quick_benchmark_under_a_lower_isa_is_bounded_and_names_its_ceiling():
     assert f"ISA {isa}" in proc.stdout
     compute_rows = [l for l in proc.stdout.splitlines() if l.startswith("| indexer/") and "| fused " in l]
     assert compute_rows and all(label in l for l in compute_rows), compute_rows
+
+
+def test_time_impl_starts_no_run_past_its_deadline(monkeypatch):
+    monkeypatch.setattr(runner, "flush_caches", lambda: None)
+    events = []
+
+    def op(_):
+        time.sleep(0.3)
+        return 0
+    t0 = time.perf_counter()
+    times = runner.time_impl(op, {}, repeats=None, deadline=t0 + 1.0,
+                             progress=lambda kind, sec: events.append(kind))
+    # Warm-up 0.3 s; the 0.7 s left hold one more run (0.3 s plus margins), not the three planned.
+    assert len(times) == 1 and time.perf_counter() - t0 < 1.0
+    assert events == ["warmup", "cut", "run"]
+    assert runner.time_impl(op, {}, repeats=None, deadline=time.perf_counter() + 0.35) == []

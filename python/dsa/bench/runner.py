@@ -125,7 +125,8 @@ def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int], deadline: Opti
 
     ``deadline`` (a time.perf_counter() value): no timed run starts that the
     warm-up predicts to end after it; the result may then be empty. ``progress``
-    is called with ("warmup" | "run", seconds) after every call.
+    is called with ("warmup" | "run", seconds) after every call, and with
+    ("cut", 0.0) when the deadline leaves fewer runs than planned.
     """
     report = progress or (lambda kind, sec: None)
     t0 = time.perf_counter()
@@ -147,7 +148,9 @@ def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int], deadline: Opti
     if deadline is not None:
         # The flush before each run costs time too: ~0.1 s at most here.
         fit = int((deadline - time.perf_counter()) // (estimate * 1.1 + 0.1))
-        repeats = max(0, min(repeats, fit))
+        if fit < repeats:
+            report("cut", 0.0)
+            repeats = max(0, fit)
     times: list[float] = []
     gc.collect()
     collecting = gc.isenabled()
@@ -164,7 +167,9 @@ def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int], deadline: Opti
             # The estimate can be off on a loaded machine: bound the wall time, not only the count.
             if auto and len(times) >= MIN_REPEATS and time.perf_counter() - start > 2 * TIME_BUDGET_S:
                 break
-            if deadline is not None and time.perf_counter() + times[-1] * 1.1 + 0.1 > deadline:
+            if (deadline is not None and len(times) < repeats
+                    and time.perf_counter() + times[-1] * 1.1 + 0.1 > deadline):
+                report("cut", 0.0)
                 break
     finally:
         if collecting:
@@ -268,6 +273,7 @@ def time_in_subprocess(case: Case, impl: str, threads: int, budget_s: float) -> 
     times = [e["run_s"] for e in events if "run_s" in e]
     warmups = [e["warmup_s"] for e in events if "warmup_s" in e]
     final = next((e for e in events if "done" in e), None)
+    cut = killed or any("cut_s" in e for e in events)
     if killed or (final is not None and final.get("over_budget")):
         if times:
             return {"times": times, "cut": True}
@@ -279,7 +285,7 @@ def time_in_subprocess(case: Case, impl: str, threads: int, budget_s: float) -> 
         return {"error": tail[0]}
     if final is None or not times:
         return {"error": "no timing printed"}
-    return {"times": times}
+    return {"times": times, "cut": cut}
 
 
 def measure_in_subprocess(case: Case, impl: str, threads: int, timeout_s: float = 900) -> dict:
@@ -363,10 +369,11 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, 
             times, r.timing_cut, r.warmup_only = got["times"], bool(got.get("cut")), bool(got.get("warmup_only"))
         else:
             fn, setup = impl_callable(case, impl)
-            if impl not in inputs:
-                inputs[impl] = setup()
+            kind = "fp32" if impl == NAIVE_FP32 else "case"  # one set-up per kind of inputs
+            if kind not in inputs:
+                inputs[kind] = setup()
             try:
-                times = time_impl(fn, inputs[impl], case.repeats,
+                times = time_impl(fn, inputs[kind], case.repeats,
                                   deadline=time.perf_counter() + budget_s)
             except Exception as e:  # one failing implementation must not hide the others
                 r.error = f"{type(e).__name__}: {e}"
