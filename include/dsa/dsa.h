@@ -8,5 +8,6 @@
 #include "dsa/indexer.h"
 #include "dsa/kl_loss.h"
 #include "dsa/layout.h"
+#include "dsa/peak.h"
 #include "dsa/sparse_attention.h"
 #include "dsa/tensor.h"

@@ -58,6 +58,17 @@ void register_core(nb::module_& m) {
   m.def("workspace_cache_limit", &dsa::workspace_cache_limit);
   m.def("workspace_cache_bytes", &dsa::workspace_cache_bytes);
   m.def("release_workspace_cache", &dsa::release_workspace_cache);
+  // dsa's own arithmetic peaks (include/dsa/peak.h), for the benchmark's ceilings.
+  m.def("peak_kernels", [] {
+    nb::list out;
+    for (auto k : dsa::supported_peak_kernels()) out.append(std::string(dsa::peak_kernel_name(k)));
+    return out;
+  });
+  m.def("measure_peak_flops", [](const std::string& kernel, int num_threads, double seconds) {
+    const auto k = dsa::parse_peak_kernel(kernel);
+    nb::gil_scoped_release release;  // a few hundred ms of pure C++
+    return dsa::measure_peak_flops(k, num_threads, seconds);
+  }, nb::arg("kernel"), nb::arg("num_threads") = 0, nb::arg("seconds") = 0.2);
 }
 
 }  // namespace dsa::python

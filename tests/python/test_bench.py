@@ -7,19 +7,25 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import os
 import subprocess
 import sys
+import time
 
+import pytest
 import torch
 
 import dsa
+from dsa import _C
 from dsa.bench import machine, runner
-from dsa.bench.case import FUSED, NAIVE, REFERENCE, Case
+from dsa.bench.case import FUSED, NAIVE, NAIVE_FP32, REFERENCE, Case, work_of
+from dsa.bench.machine import ceiling_label, choose_ceiling
 from dsa.bench.report import COLUMNS, format_table
 from dsa.naive import naive_indexer
 
 PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(dsa.__file__)))
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def test_cases_are_discovered_and_well_formed():
@@ -30,7 +36,7 @@ def test_cases_are_discovered_and_well_formed():
     quick = runner.select_cases(cases, quick=True, pattern=None)
     assert quick and all(c.quick for c in quick)
     for c in cases:
-        assert c.ceiling in ("bf16_gemm", "fp32_gemm", "copy_bw")
+        assert work_of(c) in (("compute", "bf16"), ("compute", "fp32"), ("copy_bw", "bf16"), ("copy_bw", "fp32"))
         assert c.flops > 0 or c.bytes_moved > 0, c.name
         assert FUSED in c.impls, c.name
         assert not (set(c.skip) & set(c.impls)), c.name  # skipped means not run
@@ -66,16 +72,18 @@ def _alloc_case(mib: int) -> Case:
 
 def test_run_case_ratios_and_table():
     ceilings = {"bf16_gemm": 1e12, "fp32_gemm": 1e11, "copy_bw": 1e10}
-    results = runner.run_case(_alloc_case(8), ceilings, threads=1, memory=False, log=lambda m: None)
+    results = runner.run_case(_alloc_case(8), ceilings, threads=1, memory=False, log=lambda m: None,
+                              ceiling_label="copy BW", isolate=False)
     assert [r.impl for r in results] == [FUSED, NAIVE, REFERENCE]
     fused, naive, ref = results
     assert ref.skipped == "not here" and ref.median_ms is None
     assert len(fused.times_ms) == 3 and fused.median_ms > 0
     assert fused.gbps > 0 and fused.pct_of_ceiling > 0
-    assert naive.speedup_vs_naive == 1.0
+    assert fused.pct_of_ceiling == pytest.approx(100 * fused.gbps * 1e9 / ceilings["copy_bw"])
+    assert naive.speedup_vs_naive == 1.0 and naive.naive_peer == NAIVE
     table = format_table(results)
     assert all(col in table for col in COLUMNS)
-    assert "skipped: not here" in table
+    assert "skipped: not here" in table and "copy BW" in table
 
 
 def test_timed_runs_start_flushed_with_the_collector_off(monkeypatch):
@@ -104,18 +112,25 @@ def test_cli_small_case_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=PYTHON_DIR)
     proc = subprocess.run(
         [sys.executable, "-m", "dsa.bench", "--filter", "T512/", "--threads", "1", "--gemm-size", "1024",
-         "--json", str(out)],
+         "--bf16", "native", "--json", str(out)],
         capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "ceilings" in proc.stdout and "indexer/bf16/T512" in proc.stdout
     doc = json.loads(out.read_text())
-    assert doc["machine"]["threads"] == 1 and doc["ceilings"]["bf16_gemm"] > 0
+    assert doc["machine"]["threads"] == 1 and doc["ceilings"]["fp32_gemm"] > 0
+    assert doc["machine"]["bf16"]["native"] is True and doc["ceilings"]["bf16_gemm"] > 0  # --bf16 native
+    for k in _C.peak_kernels():
+        assert doc["ceilings"][k] > 0
+    expected = choose_ceiling("compute", "bf16", _C.cpu_isa(), True, set(_C.peak_kernels()))
     by_impl = {r["impl"]: r for r in doc["results"]}
-    assert set(by_impl) == {FUSED, NAIVE, REFERENCE}
+    assert set(by_impl) == {FUSED, NAIVE, REFERENCE}  # bf16 native: no fp32 peer
     for r in by_impl.values():
         assert r["median_ms"] > 0 and r["tflops"] > 0 and r["error"] is None
         assert r["peak_extra_mib"] is not None and r["memory_error"] is None
-    assert by_impl[NAIVE]["speedup_vs_naive"] == 1.0
+        assert r["ceiling"] == expected and r["ceiling_label"] == ceiling_label(expected, _C.cpu_isa())
+        assert r["pct_of_ceiling"] == pytest.approx(100 * r["tflops"] * 1e12 / doc["ceilings"][expected])
+    assert by_impl[NAIVE]["speedup_vs_naive"] == 1.0 and by_impl[FUSED]["naive_peer"] == NAIVE
+    assert by_impl[FUSED]["ceiling_label"] in proc.stdout
 
 
 def test_cli_rejects_an_empty_selection():
@@ -123,3 +138,191 @@ def test_cli_rejects_an_empty_selection():
     proc = subprocess.run([sys.executable, "-m", "dsa.bench", "--filter", "no-such-case"],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "no case" in proc.stderr
+
+
+# ------------------------------------------------------------------ ceilings and budgets
+
+PEAKS_ALL = {"fp32_portable", "fp32_fma_avx2", "fp32_fma_avx512", "bf16_dot_avx512"}
+
+
+@pytest.mark.parametrize("work,dtype,isa,native,peaks,expected", [
+    ("copy_bw", "bf16", "amx", True, PEAKS_ALL, "copy_bw"),
+    ("copy_bw", "bf16", "avx2", False, PEAKS_ALL, "copy_bw"),
+    # Sapphire Rapids: oneDNN's AMX GEMM is what bf16 reaches there.
+    ("compute", "bf16", "amx", True, PEAKS_ALL, "bf16_gemm"),
+    ("compute", "fp32", "amx", True, PEAKS_ALL, "fp32_fma_avx512"),
+    ("compute", "bf16", "amx", False, PEAKS_ALL, "bf16_dot_avx512"),
+    # Zen 4/5 (avx512_bf16, no AMX): the vdpbf16ps peak, native torch bf16 or not.
+    ("compute", "bf16", "avx512", True, PEAKS_ALL, "bf16_dot_avx512"),
+    ("compute", "bf16", "avx512", False, PEAKS_ALL, "bf16_dot_avx512"),
+    ("compute", "fp32", "avx512", True, PEAKS_ALL, "fp32_fma_avx512"),
+    # Skylake-class AVX-512 without bf16 dot products.
+    ("compute", "bf16", "avx512", True, {"fp32_portable", "fp32_fma_avx2", "fp32_fma_avx512"}, "fp32_fma_avx512"),
+    # DSA_ISA=avx2 on an AVX-512 machine, and Zen 3: the AVX2 FMA peak, not torch's GEMM.
+    ("compute", "bf16", "avx2", True, PEAKS_ALL, "fp32_fma_avx2"),
+    ("compute", "bf16", "avx2", False, {"fp32_portable", "fp32_fma_avx2"}, "fp32_fma_avx2"),
+    ("compute", "fp32", "avx2", False, {"fp32_portable", "fp32_fma_avx2"}, "fp32_fma_avx2"),
+    ("compute", "bf16", "portable", True, PEAKS_ALL, "fp32_portable"),
+])
+def test_choose_ceiling(work, dtype, isa, native, peaks, expected):
+    assert choose_ceiling(work, dtype, isa, native, peaks) == expected
+
+
+def test_ceiling_labels_name_the_kind():
+    assert ceiling_label("bf16_gemm", "amx") == "bf16 GEMM (AMX)"
+    assert ceiling_label("fp32_fma_avx2", "avx2") == "fp32 FMA avx2"
+    assert ceiling_label("fp32_fma_avx512", "avx512") == "fp32 FMA avx512"
+    assert ceiling_label("bf16_dot_avx512", "avx512") == "bf16 dot avx512"
+    with pytest.raises(ValueError):
+        choose_ceiling("compute", "bf16", "sse9", True, PEAKS_ALL)
+
+
+def test_legacy_ceiling_names_still_mean_compute():
+    def case(**kw):
+        return Case(name="x", setup=dict, impls={FUSED: len}, flops=1.0, **kw)
+    assert work_of(case(ceiling="bf16_gemm")) == ("compute", "bf16")
+    assert work_of(case(ceiling="fp32_gemm")) == ("compute", "fp32")
+    assert work_of(case(ceiling="copy_bw", dtype="fp32")) == ("copy_bw", "fp32")
+    with pytest.raises(ValueError):
+        work_of(case(ceiling="gemm"))
+
+
+def test_fp32_peer_only_for_bf16_cases_where_bf16_is_emulated():
+    cases = {c.name: c for c in runner.load_cases()}
+    idx = cases["indexer/bf16/T512/Hi8/K64"]
+    assert runner.wants_fp32_peer(idx, bf16_native=False)
+    assert not runner.wants_fp32_peer(idx, bf16_native=True)
+    assert runner.impls_of(idx, fp32_peer=True) == [FUSED, NAIVE, NAIVE_FP32, REFERENCE]
+    assert runner.impls_of(idx, fp32_peer=False) == [FUSED, NAIVE, REFERENCE]
+    # A skipped naive peer skips its fp32 version, for the same reason.
+    big = cases["indexer/bf16/T16384/Hi64/K2048"]
+    assert runner.skip_reason(big, NAIVE_FP32) == big.skip[NAIVE]
+    fp32 = Case(name="y", setup=dict, impls={FUSED: len, NAIVE: len}, flops=1.0, dtype="fp32")
+    assert not runner.wants_fp32_peer(fp32, bf16_native=False)
+
+
+def test_upcast_casts_bf16_tensors_only_and_keeps_requires_grad():
+    x = {"a": torch.ones(3, dtype=torch.bfloat16).requires_grad_(), "n": 7,
+         "kw": {"b": torch.ones(2, dtype=torch.bfloat16), "i": torch.arange(3), "f": torch.ones(1)},
+         "l": [torch.ones(1, dtype=torch.bfloat16)]}
+    y = runner.upcast(x)
+    assert y["a"].dtype == torch.float32 and y["a"].requires_grad and y["a"].is_leaf
+    assert y["kw"]["b"].dtype == torch.float32 and y["kw"]["i"].dtype == torch.int64
+    assert y["kw"]["f"] is x["kw"]["f"] and y["n"] == 7 and y["l"][0].dtype == torch.float32
+    assert x["a"].dtype == torch.bfloat16  # the case's own inputs are untouched
+
+
+def test_dsa_peak_microbenchmark_is_short_and_validates():
+    kernels = _C.peak_kernels()
+    assert kernels[0] == "fp32_portable"
+    isa = _C.cpu_isa()
+    # The kernel of the ISA dsa runs is always there to compare with.
+    assert {"avx2": "fp32_fma_avx2", "avx512": "fp32_fma_avx512", "amx": "fp32_fma_avx512",
+            "portable": "fp32_portable"}[isa] in kernels
+    for k in kernels:
+        t0 = time.perf_counter()
+        flops = _C.measure_peak_flops(k, 0, 0.1)
+        assert math.isfinite(flops) and flops > 1e9, (k, flops)
+        assert time.perf_counter() - t0 < 1.0, k
+    with pytest.raises(ValueError):
+        _C.measure_peak_flops("fp64_fma_avx1024", 1, 0.1)
+    with pytest.raises(ValueError):
+        _C.measure_peak_flops("fp32_portable", 1, 0.0)
+    if "bf16_dot_avx512" not in kernels:
+        with pytest.raises(ValueError):
+            _C.measure_peak_flops("bf16_dot_avx512", 1, 0.1)
+
+
+def test_probe_bf16_is_bounded():
+    threads = torch.get_num_threads()
+    t0 = time.perf_counter()
+    probe = machine.probe_bf16(budget_s=1.0)
+    assert time.perf_counter() - t0 < 10
+    assert torch.get_num_threads() == threads  # it runs on one thread, then restores the count
+    assert probe["fp32_flops"] > 0 and probe["bf16_flops"] > 0
+    assert probe["native"] == (probe["bf16_flops"] >= machine.BF16_NATIVE_MIN_RATIO * probe["fp32_flops"])
+
+
+def test_gemm_ceiling_shrinks_where_a_call_would_be_slow():
+    # A 1 GFLOP/s hint (emulated bf16): 4096^3 would take ~2 minutes a call.
+    t0 = time.perf_counter()
+    flops, n = machine.gemm_flops(torch.float32, 4096, reps=1, rate_hint=1e9, max_call_s=0.5)
+    assert n == 512 and flops > 0 and time.perf_counter() - t0 < 10
+
+
+def _slow_env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([PYTHON_DIR, TESTS_DIR]),
+                DSA_BENCH_CASE_MODULES="bench_slow_cases")
+
+
+def test_a_slow_peer_is_cut_at_its_budget(tmp_path):
+    # --bf16 emulated: the fp32 peer is added too (without it, the native rule, is
+    # test_fp32_peer_only_for_bf16_cases_where_bf16_is_emulated; one CLI run is a minute).
+    out = tmp_path / "bench.json"
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsa.bench", "--filter", "test/slow", "--gemm-size", "512",
+         "--budget", "22", "--bf16", "emulated", "--json", str(out)],
+        capture_output=True, text=True, env=_slow_env(), timeout=600)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    # A bf16 naive call sleeps 300 s: waiting for it would take over five minutes.
+    assert wall < 250, wall
+    assert "skipped: over 22 s" in proc.stdout
+    doc = json.loads(out.read_text())
+    assert doc["options"]["budget_s"] == 22
+    by_impl = {r["impl"]: r for r in doc["results"] if r["case"] == "test/slow/bf16"}
+    assert by_impl[NAIVE]["skipped"].startswith("over 22 s") and by_impl[NAIVE]["median_ms"] is None
+    assert by_impl[FUSED]["median_ms"] > 0
+    # The fp32 peer runs (fast here) and is the one the speed-up is against.
+    assert doc["machine"]["bf16"]["native"] is False and "bf16_gemm" not in doc["ceilings"]
+    fp32 = by_impl[NAIVE_FP32]
+    assert fp32["median_ms"] > 0 and by_impl[FUSED]["naive_peer"] == NAIVE_FP32
+    assert by_impl[FUSED]["speedup_vs_naive"] == pytest.approx(fp32["median_ms"] / by_impl[FUSED]["median_ms"])
+    assert "naive_fp32" in proc.stdout and "not measured: emulated" in proc.stdout
+    # A 10 s call: the warm-up run finished, no timed run fit; reported as the warm-up, marked.
+    slowish = {r["impl"]: r for r in doc["results"] if r["case"] == "test/slowish/fp32"}
+    assert NAIVE_FP32 not in slowish  # an fp32 case has no fp32 peer to add
+    naive = slowish[NAIVE]
+    assert naive["warmup_only"] and naive["timing_cut"] and len(naive["times_ms"]) == 1, naive
+    assert 10000 <= naive["median_ms"] < 14000, naive["median_ms"]
+    assert naive["memory_error"].startswith("not measured") and naive["peak_extra_mib"] is None
+    assert slowish[FUSED]["naive_peer"] == NAIVE and "(warm-up)" in proc.stdout
+
+
+def test_quick_benchmark_under_a_lower_isa_is_bounded_and_names_its_ceiling():
+    """`make run` with DSA_ISA=avx2 (portable where the CPU lacks AVX2): finishes
+    within the bound its budgets give, and compares with that ISA's own peak."""
+    isa = "avx2" if "fp32_fma_avx2" in _C.peak_kernels() else "portable"
+    env = dict(os.environ, PYTHONPATH=PYTHON_DIR, DSA_ISA=isa)
+    quick = runner.select_cases(runner.load_cases(), quick=True, pattern=None)
+    runs = sum(1 for c in quick for i in runner.impls_of(c, fp32_peer=True) if runner.skip_reason(c, i) is None)
+    budget = 15
+    bound = 60 + runs * (budget + 5)  # two ceiling rounds, then each child at most its budget
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "dsa.bench", "--quick", "--no-memory", "--gemm-size", "1024",
+                           "--budget", str(budget)],
+                          capture_output=True, text=True, env=env, timeout=bound + 60)
+    wall = time.perf_counter() - t0
+    assert proc.returncode == 0, proc.stderr
+    assert wall < bound, (wall, bound)
+    label = {"avx2": "fp32 FMA avx2", "portable": "fp32 mul+add portable"}[isa]
+    assert f"ISA {isa}" in proc.stdout
+    compute_rows = [l for l in proc.stdout.splitlines() if l.startswith("| indexer/") and "| fused " in l]
+    assert compute_rows and all(label in l for l in compute_rows), compute_rows
+
+
+def test_time_impl_starts_no_run_past_its_deadline(monkeypatch):
+    monkeypatch.setattr(runner, "flush_caches", lambda: None)
+    events = []
+
+    def op(_):
+        time.sleep(0.3)
+        return 0
+    t0 = time.perf_counter()
+    times = runner.time_impl(op, {}, repeats=None, deadline=t0 + 1.0,
+                             progress=lambda kind, sec: events.append(kind))
+    # Warm-up 0.3 s; the 0.7 s left hold one more run (0.3 s plus margins), not the three planned.
+    assert len(times) == 1 and time.perf_counter() - t0 < 1.0
+    assert events == ["warmup", "cut", "run"]
+    assert runner.time_impl(op, {}, repeats=None, deadline=time.perf_counter() + 0.35) == []

@@ -1,13 +1,15 @@
 """dsa-bench: times the fused ops against the naive PyTorch peer and the machine's ceilings.
 
-    python -m dsa.bench [--quick] [--filter SUBSTR] [--json PATH] [--no-memory] [--threads N]
+    python -m dsa.bench [--quick] [--filter SUBSTR] [--json PATH] [--no-memory] [--threads N] [--budget S]
 
 Discovers python/dsa/bench/cases/*.py (each defines ``CASES``), measures the
-machine ceilings (bf16/fp32 GEMM through torch.matmul, copy bandwidth) in the
-same process, then for each case and implementation: the median time after
-warm-up, TFLOP/s over valid work (GB/s for memory-bound cases), the fraction
-of the case's ceiling, the peak extra memory (fresh subprocess per case and
-implementation) and the ratios against the naive peer. See docs/benchmarks.md.
+machine ceilings in the same process (dsa's FMA / bf16-dot peaks per ISA,
+torch's fp32 GEMM, its bf16 GEMM where native, copy bandwidth), then for each
+case and implementation: the median time after warm-up (in a child process
+killed at a wall-time budget), TFLOP/s over valid work (GB/s for memory-bound
+cases), the fraction of the case's ceiling and which ceiling that is, the peak
+extra memory (fresh subprocess per case and implementation) and the ratios
+against the faster naive peer. See docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -41,8 +43,16 @@ def main(argv=None) -> int:
                     help="threads for torch and dsa (default: torch's default, all cores)")
     ap.add_argument("--gemm-size", type=int, default=4096, metavar="N",
                     help="side of the square GEMMs that measure the ceilings (default 4096)")
+    ap.add_argument("--budget", type=float, metavar="S",
+                    help="wall seconds one implementation's timing may take, set-up included; over it "
+                         "the row reads 'skipped: over S s' (default 150, with --quick 45)")
+    ap.add_argument("--bf16", choices=("auto", "native", "emulated"), default="auto",
+                    help="treat torch's bf16 matmul as native or emulated instead of detecting it "
+                         "(emulated: no bf16 GEMM ceiling, bf16 cases also run the naive peer in fp32)")
     ap.add_argument("--list", action="store_true", help="list the selected cases and exit")
     args = ap.parse_args(argv)
+    if args.budget is not None and not args.budget > 0:
+        ap.error(f"--budget: expected a positive number of seconds, got {args.budget}")
 
     if args.threads is not None:
         if args.threads < 1:
@@ -50,9 +60,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
 
-    from .machine import machine_info, measure_ceilings
+    from .. import _C
+    from .case import work_of
+    from .machine import ceiling_label, choose_ceiling, machine_info, measure_ceilings, probe_bf16
     from .report import format_table, header_lines, notes, write_json
-    from .runner import impls_of, load_cases, run_case, select_cases
+    from .runner import BUDGET_S, QUICK_BUDGET_S, impls_of, load_cases, run_case, select_cases, wants_fp32_peer
 
     cases = select_cases(load_cases(), args.quick, args.filter)
     if args.list:
@@ -63,22 +75,37 @@ def main(argv=None) -> int:
         _log("dsa-bench: no case matches the selection")
         return 2
 
+    budget = args.budget if args.budget is not None else (QUICK_BUDGET_S if args.quick else BUDGET_S)
     start = time.perf_counter()
     machine = machine_info(threads)
+    machine["budget_s"] = budget
     _log(f"dsa-bench: {len(cases)} case(s), {threads} thread(s); measuring ceilings ...")
-    ceilings = measure_ceilings(args.gemm_size)
-    results = []
+    probe = probe_bf16()
+    if args.bf16 != "auto":
+        probe = dict(probe, native=args.bf16 == "native", forced=args.bf16)
+    machine["bf16"] = probe
+    isa, peaks = machine["isa"], set(_C.peak_kernels())
+    ceilings, sizes = measure_ceilings(threads, probe, args.gemm_size)
+    results, used = [], []
     for case in cases:
-        _log(f"dsa-bench: {case.name}")
-        results.extend(run_case(case, ceilings, threads, memory=not args.no_memory, log=_log))
+        work, dtype = work_of(case)
+        key = choose_ceiling(work, dtype, isa, probe["native"], peaks)
+        label = ceiling_label(key, isa)
+        if label not in used:
+            used.append(label)
+        _log(f"dsa-bench: {case.name} (ceiling: {label})")
+        results.extend(run_case(case, ceilings, threads, memory=not args.no_memory, log=_log,
+                                ceiling=key, ceiling_label=label,
+                                fp32_peer=wants_fp32_peer(case, probe["native"]), budget_s=budget))
+    machine["ceilings_used"] = used
     # Ceilings again at the end: with other load on the machine the two differ, and
-    # the better of them is the fairer "what torch reaches here" (the lower % of ceiling).
+    # the better of them is the fairer "what this machine reaches" (the lower % of ceiling).
     _log("dsa-bench: measuring ceilings again ...")
-    ceilings_end = measure_ceilings(args.gemm_size)
+    ceilings_end, _ = measure_ceilings(threads, probe, args.gemm_size)
     ceilings_start = ceilings
-    ceilings = {k: max(ceilings_start[k], ceilings_end[k]) for k in ceilings_start}
+    ceilings = {k: max(v, ceilings_end.get(k, v)) for k, v in ceilings_start.items()}
     for r in results:
-        if r.pct_of_ceiling is not None:
+        if r.pct_of_ceiling is not None and ceilings.get(r.ceiling):
             r.pct_of_ceiling *= ceilings_start[r.ceiling] / ceilings[r.ceiling]
     machine["load_avg_1min_at_end"] = _load_avg()
     elapsed = time.perf_counter() - start
@@ -96,9 +123,11 @@ def main(argv=None) -> int:
           + ("" if not args.no_memory else "; peak memory not measured (--no-memory)"))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        options = {"gemm_size": args.gemm_size, "ceilings_at_start": ceilings_start, "ceilings_at_end": ceilings_end,
+        options = {"gemm_size": args.gemm_size, "gemm_sizes_used": sizes,
+                   "ceilings_at_start": ceilings_start, "ceilings_at_end": ceilings_end,
                    "quick": args.quick, "filter": args.filter, "memory": not args.no_memory,
-                   "threads": threads, "elapsed_s": round(elapsed, 1)}
+                   "threads": threads, "budget_s": budget, "bf16": args.bf16,
+                   "elapsed_s": round(elapsed, 1)}
         write_json(args.json, machine, ceilings, results, case_notes, options)
         _log(f"dsa-bench: wrote {args.json}")
     failed = [r for r in results if r.error]

@@ -19,9 +19,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, required=True)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from .runner import load_cases, measure_here
+    from .runner import impls_of, load_cases, measure_here, skip_reason
     case = next((c for c in load_cases() if c.name == args.case), None)
-    if case is None or args.impl not in case.impls:
+    if case is None or args.impl not in impls_of(case, fp32_peer=True) or skip_reason(case, args.impl):
         print(f"unknown case/implementation: {args.case} [{args.impl}]", file=sys.stderr)
         return 2
     print(json.dumps(measure_here(case, args.impl)))

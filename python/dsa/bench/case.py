@@ -2,9 +2,12 @@
 defining ``CASES: list[Case]``; the harness (dsa.bench.__main__) discovers them.
 
 A case builds its inputs once (deterministic, seeded) and names one callable per
-implementation. The harness times each implementation (median after warm-up),
-measures its peak extra memory in a fresh subprocess, counts FLOP/s over valid
-work only and compares with the machine ceiling named by ``ceiling``.
+implementation. The harness times each implementation (median after warm-up,
+in a child process with a wall-time budget), measures its peak extra memory in
+a fresh subprocess, counts FLOP/s over valid work only and compares with the
+machine ceiling that ``ceiling`` and ``dtype`` select (machine.choose_ceiling:
+for compute cases it depends on the ISA dsa runs and on whether torch's bf16
+GEMM is native here).
 """
 from __future__ import annotations
 
@@ -13,6 +16,12 @@ from typing import Any, Callable, Optional
 
 # Implementation keys, in the order the table shows them.
 FUSED, NAIVE, REFERENCE = "fused", "naive", "reference"
+# The naive peer on inputs cast to fp32: added by the harness to a bf16 case
+# where torch's bf16 is emulated (what a user there would run instead).
+NAIVE_FP32 = "naive_fp32"
+
+# Old ceiling names, still accepted: they name the work and the dtype at once.
+LEGACY_CEILINGS = {"bf16_gemm": ("compute", "bf16"), "fp32_gemm": ("compute", "fp32")}
 
 
 @dataclass
@@ -22,8 +31,19 @@ class Case:
     impls: dict[str, Callable[[dict[str, Any]], Any]]  # FUSED / NAIVE / REFERENCE -> run(inputs)
     flops: float = 0.0                          # valid work (FlashMLA convention); 0 if memory-bound
     bytes_moved: float = 0.0                    # bytes the op must move (memory-bound cases)
-    ceiling: str = "bf16_gemm"                  # "bf16_gemm" | "fp32_gemm" | "copy_bw"
+    ceiling: str = "compute"                    # "compute" (FLOP/s) | "copy_bw" (bytes/s)
+    dtype: str = "bf16"                         # "bf16" | "fp32": the inputs' dtype
     quick: bool = False                         # part of `make run` (dsa-bench --quick)
     note: str = ""                              # e.g. why an implementation is skipped
     skip: dict[str, str] = field(default_factory=dict)  # impl -> reason it does not run here
     repeats: Optional[int] = None               # timed runs (default chosen by the harness)
+
+
+def work_of(case: Case) -> tuple[str, str]:
+    """("compute" | "copy_bw", "bf16" | "fp32") of a case."""
+    if case.ceiling in LEGACY_CEILINGS:
+        return LEGACY_CEILINGS[case.ceiling]
+    if case.ceiling not in ("compute", "copy_bw") or case.dtype not in ("bf16", "fp32"):
+        raise ValueError(f"{case.name}: ceiling must be 'compute' or 'copy_bw' and dtype 'bf16' or 'fp32', "
+                         f"got {case.ceiling!r} / {case.dtype!r}")
+    return case.ceiling, case.dtype

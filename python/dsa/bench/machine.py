@@ -1,9 +1,19 @@
 """The machine a benchmark ran on, and its ceilings measured in the same run.
 
-Ceilings are what plain PyTorch reaches on this machine with the same thread
-count: bf16 and fp32 GEMM through ``torch.matmul`` on large squares (oneDNN, AMX
-where present) and the copy bandwidth of a large ``Tensor.copy_`` (bytes read +
-written). A case reports its throughput as a fraction of one of them.
+Ceilings, all on the thread count the cases use:
+
+* dsa's own arithmetic peaks (``_C.measure_peak_flops``): register-only loops of
+  SSE mul + add, AVX2 FMA, AVX-512 FMA and AVX-512 ``vdpbf16ps``, each that the
+  CPU has. They are the ceiling of an ISA even where dsa runs below the CPU's
+  best (``DSA_ISA=avx2`` on an AVX-512 machine, where torch's GEMM would still
+  use AVX-512).
+* torch's fp32 GEMM, and its bf16 GEMM only where torch has a native bf16 path
+  (``probe_bf16``: on AVX2-only CPUs torch emulates bf16 at ~1 GFLOP/s, and a
+  4096^2 GEMM would take minutes).
+* the copy bandwidth of a large ``Tensor.copy_`` (bytes read + written).
+
+``choose_ceiling`` picks the one a case is compared with. Every measurement is
+bounded in wall time.
 """
 from __future__ import annotations
 
@@ -72,24 +82,138 @@ def machine_info(threads: int) -> dict:
     }
 
 
-def _best_seconds(fn, reps: int) -> float:
+
+# What the table calls each ceiling.
+CEILING_LABEL = {
+    "bf16_gemm": "bf16 GEMM (torch)",
+    "fp32_gemm": "fp32 GEMM (torch)",
+    "copy_bw": "copy BW",
+    "fp32_portable": "fp32 mul+add portable",
+    "fp32_fma_avx2": "fp32 FMA avx2",
+    "fp32_fma_avx512": "fp32 FMA avx512",
+    "bf16_dot_avx512": "bf16 dot avx512",
+}
+
+# The fp32 peak of each ISA dsa can run (AMX adds no fp32 instructions).
+_FP32_PEAK_OF_ISA = {"amx": "fp32_fma_avx512", "avx512": "fp32_fma_avx512",
+                     "avx2": "fp32_fma_avx2", "portable": "fp32_portable"}
+
+# torch's bf16 matmul counts as native when it reaches at least this fraction of
+# its fp32 rate on the probe's squares (native paths run 2-8x faster than fp32;
+# the emulation on AVX2-only CPUs ~100x slower).
+BF16_NATIVE_MIN_RATIO = 0.5
+
+
+def choose_ceiling(work: str, dtype: str, isa: str, bf16_native: bool, peaks) -> str:
+    """The ceiling key a case is compared with.
+
+    work: "compute" or "copy_bw"; dtype: "bf16" or "fp32" (the case's inputs);
+    isa: the ISA dsa runs (``_C.cpu_isa()``, after DSA_ISA); bf16_native: torch's
+    bf16 GEMM is native here; peaks: the peak kernels this CPU has.
+
+    * memory-bound cases: the copy bandwidth;
+    * bf16 on AMX with a native torch bf16 GEMM: that GEMM (oneDNN's AMX path is
+      what a bf16 matmul reaches there);
+    * bf16 on AVX-512 (or AMX without native torch bf16) where the CPU has
+      avx512_bf16: the ``vdpbf16ps`` peak, the fastest bf16 arithmetic of that ISA;
+    * otherwise (fp32, or bf16 converted to fp32): the fp32 FMA peak of the ISA.
+    """
+    if work == "copy_bw":
+        return "copy_bw"
+    if work != "compute":
+        raise ValueError(f"work: expected 'compute' or 'copy_bw', got {work!r}")
+    if isa not in _FP32_PEAK_OF_ISA:
+        raise ValueError(f"isa: expected one of {', '.join(_FP32_PEAK_OF_ISA)}, got {isa!r}")
+    if dtype == "bf16":
+        if isa == "amx" and bf16_native:
+            return "bf16_gemm"
+        if isa in ("amx", "avx512") and "bf16_dot_avx512" in peaks:
+            return "bf16_dot_avx512"
+    return _FP32_PEAK_OF_ISA[isa]
+
+
+def ceiling_label(key: str, isa: str) -> str:
+    if key == "bf16_gemm" and isa == "amx":
+        return "bf16 GEMM (AMX)"
+    return CEILING_LABEL.get(key, key)
+
+
+def _run_bounded(fn, max_reps: int, budget_s: float) -> tuple[float, int]:
+    """Best seconds of up to ``max_reps`` timed calls after one warm-up, stopping
+    once ``budget_s`` is spent (at least one timed call)."""
     fn()  # warm-up: oneDNN primitive creation, page faults
-    best = float("inf")
-    for _ in range(reps):
+    best, reps = float("inf"), 0
+    start = time.perf_counter()
+    while reps < max_reps:
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
-    return best
+        reps += 1
+        if time.perf_counter() - start > budget_s:
+            break
+    return best, reps
 
 
-def gemm_flops(dtype: torch.dtype, n: int = 4096, reps: int = 3) -> float:
-    """Best-of-``reps`` FLOP/s of an n x n x n ``torch.matmul`` in ``dtype``."""
+def _gemm_inputs(dtype: torch.dtype, n: int):
     g = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=g).to(dtype)
     b = torch.randn(n, n, generator=g).to(dtype)
-    c = torch.empty(n, n, dtype=dtype)
-    sec = _best_seconds(lambda: torch.matmul(a, b, out=c), reps)
-    return 2.0 * n * n * n / sec
+    return a, b, torch.empty(n, n, dtype=dtype)
+
+
+def _gemm_rate(dtype: torch.dtype, n: int, max_reps: int, budget_s: float) -> float:
+    a, b, c = _gemm_inputs(dtype, n)
+    sec, _ = _run_bounded(lambda: torch.matmul(a, b, out=c), max_reps, budget_s)
+    return 2.0 * n ** 3 / sec
+
+
+def probe_bf16(n: int = 512, budget_s: float = 1.0) -> dict:
+    """Whether torch's bf16 matmul is native here: bf16 vs fp32 FLOP/s on n^3.
+
+    A few 128^3 bf16 matmuls first (~15 ms each even where bf16 is emulated at
+    ~0.3 GFLOP/s) predict the n^3 one; if that would not fit ``budget_s`` bf16 is emulated
+    without running it. Returns {"native", "bf16_flops", "fp32_flops", "n"}.
+    """
+    # One thread: whether the path is native does not depend on the thread count,
+    # and on a loaded machine a multi-threaded call of a millisecond waits for
+    # preempted team threads (measured: 25x slower at load 8 on 2 cores), a
+    # single-threaded one only for its own core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _probe_bf16(n, budget_s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _probe_bf16(n: int, budget_s: float) -> dict:
+    fp32 = _gemm_rate(torch.float32, n, 3, budget_s / 4)
+    a, b, c = _gemm_inputs(torch.bfloat16, 128)
+    # The first call creates (JITs) oneDNN's primitive: ~10 ms, not the rate. Then
+    # the best of a few calls: on a loaded machine one call can lose a whole time
+    # slice (~10 ms) and would read as emulated. Emulated, each call is ~15 ms.
+    small_s, _ = _run_bounded(lambda: torch.matmul(a, b, out=c), 5, budget_s / 10)
+    small = 2.0 * 128 ** 3 / max(small_s, 1e-9)
+    if 2.0 * n ** 3 / small * 2 > budget_s:  # warm-up + one timed call would not fit
+        bf16, size = small, 128
+    else:
+        bf16, size = _gemm_rate(torch.bfloat16, n, 3, budget_s / 4), n
+    return {"native": bf16 >= BF16_NATIVE_MIN_RATIO * fp32, "bf16_flops": bf16, "fp32_flops": fp32,
+            "n": n, "bf16_n": size}
+
+
+def gemm_flops(dtype: torch.dtype, n: int = 4096, reps: int = 3, rate_hint: float = 0.0,
+               max_call_s: float = 1.5, budget_s: float = 4.0) -> tuple[float, int]:
+    """Best FLOP/s of an n x n x n ``torch.matmul`` in ``dtype`` and the n used.
+
+    ``rate_hint`` (FLOP/s from a smaller GEMM) halves n until one call is
+    predicted to take at most ``max_call_s``; repeats stop once ``budget_s``
+    is spent. Bounded: a slow machine measures a smaller square, never for minutes.
+    """
+    if rate_hint > 0:
+        while n > 512 and 2.0 * n ** 3 / rate_hint > max_call_s:
+            n //= 2
+    return _gemm_rate(dtype, n, reps, budget_s), n
 
 
 def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
@@ -97,14 +221,28 @@ def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
     n = mib * (1 << 20) // 4
     src = torch.ones(n, dtype=torch.float32)
     dst = torch.zeros(n, dtype=torch.float32)
-    sec = _best_seconds(lambda: dst.copy_(src), reps)
+    sec, _ = _run_bounded(lambda: dst.copy_(src), reps, 2.0)
     return 2.0 * src.numel() * src.element_size() / sec
 
 
-def measure_ceilings(gemm_size: int = 4096, copy_mib: int = 256) -> dict:
-    """{"bf16_gemm": FLOP/s, "fp32_gemm": FLOP/s, "copy_bw": bytes/s}."""
-    return {
-        "bf16_gemm": gemm_flops(torch.bfloat16, gemm_size, reps=5),
-        "fp32_gemm": gemm_flops(torch.float32, gemm_size),
-        "copy_bw": copy_bandwidth(copy_mib),
-    }
+def peak_flops(threads: int, seconds: float = 0.2) -> dict:
+    """dsa's arithmetic peak of every kernel this CPU has, FLOP/s: {"fp32_fma_avx2": ..., ...}."""
+    from .. import _C
+    return {k: _C.measure_peak_flops(k, threads, seconds) for k in _C.peak_kernels()}
+
+
+def measure_ceilings(threads: int, bf16: dict, gemm_size: int = 4096, copy_mib: int = 256) -> tuple[dict, dict]:
+    """(ceilings, info). ceilings: FLOP/s or bytes/s by key (``CEILING_LABEL``);
+    "bf16_gemm" only where ``bf16["native"]`` (the probe_bf16 result). info:
+    the GEMM sizes used."""
+    ceilings = peak_flops(threads)
+    # The probe ran on one thread: all threads at perfect scaling is the optimistic
+    # hint (a call may then take up to `threads` times longer than predicted, at worst).
+    ceilings["fp32_gemm"], n32 = gemm_flops(torch.float32, gemm_size, rate_hint=bf16["fp32_flops"] * threads)
+    info = {"fp32_gemm_n": n32}
+    if bf16["native"]:
+        ceilings["bf16_gemm"], n16 = gemm_flops(torch.bfloat16, gemm_size, reps=5,
+                                                rate_hint=bf16["bf16_flops"] * threads)
+        info["bf16_gemm_n"] = n16
+    ceilings["copy_bw"] = copy_bandwidth(copy_mib)
+    return ceilings, info

@@ -14,13 +14,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .case import FUSED, NAIVE, REFERENCE, Case
+from .case import FUSED, NAIVE, NAIVE_FP32, REFERENCE, Case, work_of
 
-IMPL_ORDER = (FUSED, NAIVE, REFERENCE)
+IMPL_ORDER = (FUSED, NAIVE, NAIVE_FP32, REFERENCE)
 
 # Timing: at least MIN_REPEATS timed runs, more while they fit in TIME_BUDGET_S.
 MIN_REPEATS, MAX_REPEATS, TIME_BUDGET_S = 3, 25, 1.5
 SLOW_RUN_S = 20.0  # a run longer than this is timed once
+
+# Wall-time budget of one implementation's timing (its child process: start,
+# set-up, warm-up and timed runs); over it the row reads "skipped: over N s".
+BUDGET_S, QUICK_BUDGET_S = 150.0, 45.0
+
+# Extra case modules (comma-separated importable names), e.g. the test suite's.
+CASE_MODULES_ENV = "DSA_BENCH_CASE_MODULES"
 
 
 def load_cases() -> list[Case]:
@@ -32,6 +39,8 @@ def load_cases() -> list[Case]:
             continue
         module = importlib.import_module(f"{pkg.__name__}.{info.name}")
         found.extend(getattr(module, "CASES", []))
+    for name in filter(None, os.environ.get(CASE_MODULES_ENV, "").split(",")):
+        found.extend(getattr(importlib.import_module(name.strip()), "CASES", []))
     names = [c.name for c in found]
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
@@ -43,10 +52,48 @@ def select_cases(cases: list[Case], quick: bool, pattern: Optional[str]) -> list
     return [c for c in cases if (c.quick or not quick) and (pattern is None or pattern in c.name)]
 
 
-def impls_of(case: Case) -> list[str]:
+def wants_fp32_peer(case: Case, bf16_native: bool) -> bool:
+    """A bf16 case gets the fp32 naive peer where torch's bf16 is emulated."""
+    return not bf16_native and work_of(case)[1] == "bf16" and (NAIVE in case.impls or NAIVE in case.skip)
+
+
+def impls_of(case: Case, fp32_peer: bool = False) -> list[str]:
     """Implementations the table shows for a case: runnable ones and skipped ones."""
     keys = set(case.impls) | set(case.skip)
+    if fp32_peer and NAIVE in keys:
+        keys.add(NAIVE_FP32)
     return [k for k in IMPL_ORDER if k in keys] + sorted(keys - set(IMPL_ORDER))
+
+
+def skip_reason(case: Case, impl: str) -> Optional[str]:
+    if impl == NAIVE_FP32 and NAIVE_FP32 not in case.impls and NAIVE_FP32 not in case.skip:
+        impl = NAIVE  # the fp32 peer runs the naive one: skipped when it is
+    if impl in case.skip:
+        return case.skip[impl]
+    return None if impl in case.impls else "no implementation given"
+
+
+def upcast(x: Any) -> Any:
+    """``x`` with every bf16 tensor cast to fp32 (requires_grad kept), through dicts, lists and tuples."""
+    import torch
+    if isinstance(x, torch.Tensor):
+        if x.dtype != torch.bfloat16:
+            return x
+        return x.detach().float().requires_grad_(x.requires_grad)
+    if isinstance(x, dict):
+        return {k: upcast(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(upcast(v) for v in x)
+    return x
+
+
+def impl_callable(case: Case, impl: str):
+    """(run(inputs), setup()) of one implementation; the fp32 peer is the naive
+    callable on the case's inputs cast to fp32 at set-up (not timed: a user
+    with emulated bf16 would hold fp32 tensors in the first place)."""
+    if impl == NAIVE_FP32 and NAIVE_FP32 not in case.impls:
+        return case.impls[NAIVE], lambda: upcast(case.setup())
+    return case.impls[impl], case.setup
 
 
 # ------------------------------------------------------------------------- timing
@@ -64,7 +111,8 @@ def flush_caches() -> None:
     _flush_buffer.zero_()
 
 
-def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int]) -> list[float]:
+def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int], deadline: Optional[float] = None,
+              progress=None) -> list[float]:
     """Seconds of each timed run, after warm-up (first call: lazy init, page faults).
 
     Each timed run starts the way an op starts inside a model step: its data out
@@ -74,21 +122,35 @@ def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int]) -> list[float]
     collection lands inside a run. (Collecting before every run instead left one
     vCPU idle for ~60 ms each time, and on a VM an idle vCPU comes back slow:
     that measured the host's wake-up, not the op.)
+
+    ``deadline`` (a time.perf_counter() value): no timed run starts that the
+    warm-up predicts to end after it; the result may then be empty. ``progress``
+    is called with ("warmup" | "run", seconds) after every call, and with
+    ("cut", 0.0) when the deadline leaves fewer runs than planned.
     """
+    report = progress or (lambda kind, sec: None)
     t0 = time.perf_counter()
     out = fn(inputs)
     estimate = time.perf_counter() - t0
     del out
+    report("warmup", estimate)
     if estimate < 0.2:  # cheap enough for a second warm-up run, which also estimates better
         t0 = time.perf_counter()
         out = fn(inputs)
         estimate = time.perf_counter() - t0
         del out
+        report("warmup", estimate)
     auto = repeats is None
     if auto:
         repeats = int(min(MAX_REPEATS, max(MIN_REPEATS, TIME_BUDGET_S / max(estimate, 1e-6))))
         if estimate > SLOW_RUN_S:  # minutes-long naive peers: one timed run after the warm-up
             repeats = 1
+    if deadline is not None:
+        # The flush before each run costs time too: ~0.1 s at most here.
+        fit = int((deadline - time.perf_counter()) // (estimate * 1.1 + 0.1))
+        if fit < repeats:
+            report("cut", 0.0)
+            repeats = max(0, fit)
     times: list[float] = []
     gc.collect()
     collecting = gc.isenabled()
@@ -101,8 +163,13 @@ def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int]) -> list[float]
             out = fn(inputs)
             times.append(time.perf_counter() - t0)
             del out
+            report("run", times[-1])
             # The estimate can be off on a loaded machine: bound the wall time, not only the count.
             if auto and len(times) >= MIN_REPEATS and time.perf_counter() - start > 2 * TIME_BUDGET_S:
+                break
+            if (deadline is not None and len(times) < repeats
+                    and time.perf_counter() + times[-1] * 1.1 + 0.1 > deadline):
+                report("cut", 0.0)
                 break
     finally:
         if collecting:
@@ -142,8 +209,8 @@ def measure_here(case: Case, impl: str) -> dict:
     page the op touches: outputs, scratch, intermediate tensors.
     """
     import resource
-    inputs = case.setup()
-    fn = case.impls[impl]
+    fn, setup = impl_callable(case, impl)
+    inputs = setup()
     can_reset = _reset_high_water()
     if can_reset:
         out = fn(inputs)
@@ -170,11 +237,60 @@ def measure_here(case: Case, impl: str) -> dict:
             "method": method}
 
 
-def measure_in_subprocess(case: Case, impl: str, threads: int, timeout_s: float = 900) -> dict:
-    """Runs ``python -m dsa.bench._memory`` for one (case, impl) and returns its JSON."""
+def _child_env() -> dict:
     pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ)
     env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _text(x) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+
+def time_in_subprocess(case: Case, impl: str, threads: int, budget_s: float) -> dict:
+    """Times one (case, impl) in ``python -m dsa.bench._time``, killed after ``budget_s``.
+
+    Returns {"times": [s, ...]} (possibly cut short by the budget: "cut": True),
+    {"over_budget": True} when no timed run finished in time, or {"error": msg}.
+    A child process is the only way to stop a torch op that runs for minutes
+    (an emulated bf16 matmul) without waiting for it.
+    """
+    cmd = [sys.executable, "-m", "dsa.bench._time", "--case", case.name, "--impl", impl,
+           "--threads", str(threads), "--deadline", f"{time.time() + budget_s:.3f}"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), timeout=budget_s)
+        out, err, code, killed = proc.stdout, proc.stderr, proc.returncode, False
+    except subprocess.TimeoutExpired as e:
+        out, err, code, killed = _text(e.stdout), _text(e.stderr), None, True
+    events = []
+    for line in out.splitlines():
+        if line.startswith("{"):
+            try:
+                events.append(json.loads(line))
+            except ValueError:
+                pass
+    times = [e["run_s"] for e in events if "run_s" in e]
+    warmups = [e["warmup_s"] for e in events if "warmup_s" in e]
+    final = next((e for e in events if "done" in e), None)
+    cut = killed or any("cut_s" in e for e in events)
+    if killed or (final is not None and final.get("over_budget")):
+        if times:
+            return {"times": times, "cut": True}
+        # A call of many seconds: its warm-up run is a measurement too (lazy
+        # initialisation is milliseconds of it), better than none; marked.
+        return {"times": warmups[-1:], "cut": True, "warmup_only": True} if warmups else {"over_budget": True}
+    if code != 0:
+        tail = (err or out).strip().splitlines()[-1:] or [f"exit {code}"]
+        return {"error": tail[0]}
+    if final is None or not times:
+        return {"error": "no timing printed"}
+    return {"times": times, "cut": cut}
+
+
+def measure_in_subprocess(case: Case, impl: str, threads: int, timeout_s: float = 900) -> dict:
+    """Runs ``python -m dsa.bench._memory`` for one (case, impl) and returns its JSON."""
+    env = _child_env()
     # A fixed glibc mmap threshold turns off its dynamic raise, so blocks freed by the
     # warm-up run go back to the OS instead of being reused silently by the timed one.
     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
@@ -205,38 +321,71 @@ class Result:
     median_ms: Optional[float] = None
     tflops: Optional[float] = None           # compute-bound cases
     gbps: Optional[float] = None             # memory-bound cases
-    ceiling: str = ""
+    ceiling: str = ""                        # key in the ceilings (machine.CEILING_LABEL)
+    ceiling_label: str = ""                  # what the table calls it, e.g. "bf16 dot avx512"
     pct_of_ceiling: Optional[float] = None
+    timing_cut: bool = False                 # fewer timed runs than planned: the budget ran out
+    warmup_only: bool = False                # not even one timed run fit: the time is the warm-up run's
     peak_extra_mib: Optional[float] = None
     memory_method: Optional[str] = None
     memory_error: Optional[str] = None
-    speedup_vs_naive: Optional[float] = None  # naive median / this median
-    memory_vs_naive: Optional[float] = None   # this peak extra / naive peak extra
+    speedup_vs_naive: Optional[float] = None  # faster naive peer's median / this median
+    memory_vs_naive: Optional[float] = None   # this peak extra / that peer's peak extra
+    naive_peer: Optional[str] = None          # the peer both ratios use: "naive" or "naive_fp32"
     error: Optional[str] = None
 
 
-def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print) -> list[Result]:
+def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, *,
+             ceiling: Optional[str] = None, ceiling_label: str = "", fp32_peer: bool = False,
+             budget_s: float = BUDGET_S, isolate: bool = True) -> list[Result]:
+    """Times every implementation of ``case`` and compares it with ``ceiling``
+    (a key of ``ceilings``; default: the case's own work kind, for callers that
+    pass ceilings keyed "compute" / "copy_bw").
+
+    isolate: time each implementation in a child process killed after
+    ``budget_s`` (what the CLI does); False times in this process, which
+    bounds the number of runs but cannot stop a single slow call (tests).
+    """
+    work, _ = work_of(case)
+    key = ceiling or work
     results: list[Result] = []
-    inputs = None
-    for impl in impls_of(case):
-        r = Result(case=case.name, impl=impl, ceiling=case.ceiling)
+    inputs = {}
+    for impl in impls_of(case, fp32_peer):
+        r = Result(case=case.name, impl=impl, ceiling=key, ceiling_label=ceiling_label or key)
         results.append(r)
-        if impl in case.skip or impl not in case.impls:
-            r.skipped = case.skip.get(impl, "no implementation given")
+        why = skip_reason(case, impl)
+        if why is not None:
+            r.skipped = why
             continue
-        if inputs is None:
-            inputs = case.setup()
         log(f"  {case.name} [{impl}] timing ...")
-        try:
-            times = time_impl(case.impls[impl], inputs, case.repeats)
-        except Exception as e:  # one failing implementation must not hide the others
-            r.error = f"{type(e).__name__}: {e}"
-            continue
+        if isolate:
+            got = time_in_subprocess(case, impl, threads, budget_s)
+            if "error" in got:
+                r.error = got["error"]
+                continue
+            if got.get("over_budget"):
+                r.skipped = f"over {budget_s:.0f} s (timing budget per implementation)"
+                continue
+            times, r.timing_cut, r.warmup_only = got["times"], bool(got.get("cut")), bool(got.get("warmup_only"))
+        else:
+            fn, setup = impl_callable(case, impl)
+            kind = "fp32" if impl == NAIVE_FP32 else "case"  # one set-up per kind of inputs
+            if kind not in inputs:
+                inputs[kind] = setup()
+            try:
+                times = time_impl(fn, inputs[kind], case.repeats,
+                                  deadline=time.perf_counter() + budget_s)
+            except Exception as e:  # one failing implementation must not hide the others
+                r.error = f"{type(e).__name__}: {e}"
+                continue
+            if not times:
+                r.skipped = f"over {budget_s:.0f} s (timing budget per implementation)"
+                continue
         r.times_ms = [t * 1e3 for t in times]
         med = statistics.median(times)
         r.median_ms = med * 1e3
-        ceil = ceilings.get(case.ceiling)
-        if case.ceiling == "copy_bw":
+        ceil = ceilings.get(key)
+        if work == "copy_bw":
             if case.bytes_moved:
                 r.gbps = case.bytes_moved / med / 1e9
                 r.pct_of_ceiling = 100.0 * case.bytes_moved / med / ceil if ceil else None
@@ -249,16 +398,22 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print) 
         for r in results:
             if r.skipped or r.error:
                 continue
+            if r.warmup_only:  # set-up and two calls would not fit twice the budget either
+                r.memory_error = "not measured: one call took the whole timing budget"
+                continue
             log(f"  {case.name} [{r.impl}] peak memory (fresh process) ...")
-            m = measure_in_subprocess(case, r.impl, threads)
+            # Set-up, a warm-up and one run: what the timing child did within its budget.
+            m = measure_in_subprocess(case, r.impl, threads, timeout_s=2 * budget_s)
             if "error" in m:
                 r.memory_error = m["error"]
             else:
                 r.peak_extra_mib = m["peak_extra_mib"]
                 r.memory_method = m["method"]
-    naive = next((r for r in results if r.impl == NAIVE and r.median_ms), None)
+    peers = [r for r in results if r.impl in (NAIVE, NAIVE_FP32) and r.median_ms]
+    naive = min(peers, key=lambda r: r.median_ms) if peers else None
     if naive is not None:
         for r in results:
+            r.naive_peer = naive.impl
             if r.median_ms:
                 r.speedup_vs_naive = naive.median_ms / r.median_ms
             if r.peak_extra_mib is not None and naive.peak_extra_mib:

@@ -156,7 +156,7 @@ def v32_case(T: int, S: int, H: int, direction: str, *, topk: int = 2048, naive:
     return Case(name=f"sparse_attention/v32/bf16/H{H}/T{T}/S{S}/K{topk}/{direction}",
                 setup=_v32_setup(T, S, H, topk, backward), impls=impls,
                 flops=_flops(H, DQK, DV, pairs, "fwd+bwd" if direction == "fwd+bwd" else direction),
-                ceiling="bf16_gemm", note=note, skip=skip | {"reference": "scalar loops: too slow here"},
+                ceiling="compute", note=note, skip=skip | {"reference": "scalar loops: too slow here"},
                 quick=(T == 1024 and H == 64 and direction == "fwd"))
 
 
@@ -166,7 +166,7 @@ def v4_csa_case(direction: str, *, T: int = 4096, H: int = 64, D: int = 512, win
     impls = {FUSED: _backward_only if direction == "bwd" else _forward(_fused())}
     return Case(name=f"sparse_attention/v4_csa/bf16/H{H}/T{T}/w{window}/m{ratio}/K{topk}/{direction}",
                 setup=_v4_setup(T, H, D, window, ratio, topk, direction == "bwd"), impls=impls,
-                flops=_flops(H, D, D, pairs, direction), ceiling="bf16_gemm", note="fused only",
+                flops=_flops(H, D, D, pairs, direction), ceiling="compute", note="fused only",
                 skip={NAIVE: "[T, H, S] masked logits of the window part alone are 4 GiB",
                       "reference": "scalar loops: too slow here"})
 
@@ -176,7 +176,7 @@ def dense_case(direction: str, *, T: int = 4096, H: int = 64) -> Case:
     impls = {FUSED: _backward_only if direction == "bwd" else _forward(_fused())}
     return Case(name=f"sparse_attention/dense_causal/bf16/H{H}/T{T}/{direction}",
                 setup=_dense_setup(T, H, direction == "bwd"), impls=impls,
-                flops=_flops(H, DQK, DV, pairs, direction), ceiling="bf16_gemm", note="fused only",
+                flops=_flops(H, DQK, DV, pairs, direction), ceiling="compute", note="fused only",
                 skip={NAIVE: f"[T, H, S] logits are {T * T * H * 2 / GIB:.0f} GiB bf16",
                       "reference": "scalar loops: too slow here"})
 
