@@ -153,9 +153,11 @@ PEAKS_ALL = {"fp32_portable", "fp32_fma_avx2", "fp32_fma_avx512", "bf16_dot_avx5
     ("compute", "fp32", "amx", True, PEAKS_ALL, "fp32_fma_avx512"),
     ("compute", "bf16", "amx", False, PEAKS_ALL, "bf16_dot_avx512"),
     # Zen 4/5 (avx512_bf16, no AMX): the vdpbf16ps peak, native torch bf16 or not.
-    ("compute", "bf16", "avx512", True, PEAKS_ALL, "bf16_dot_avx512"),
-    ("compute", "bf16", "avx512", False, PEAKS_ALL, "bf16_dot_avx512"),
-    ("compute", "fp32", "avx512", True, PEAKS_ALL, "fp32_fma_avx512"),
+    ("compute", "bf16", "avx512_bf16", True, PEAKS_ALL, "bf16_dot_avx512"),
+    ("compute", "bf16", "avx512_bf16", False, PEAKS_ALL, "bf16_dot_avx512"),
+    ("compute", "fp32", "avx512_bf16", True, PEAKS_ALL, "fp32_fma_avx512"),
+    # DSA_ISA=avx512 there: dsa's kernels convert bf16 to fp32 and run FMAs.
+    ("compute", "bf16", "avx512", True, PEAKS_ALL, "fp32_fma_avx512"),
     # Skylake-class AVX-512 without bf16 dot products.
     ("compute", "bf16", "avx512", True, {"fp32_portable", "fp32_fma_avx2", "fp32_fma_avx512"}, "fp32_fma_avx512"),
     # DSA_ISA=avx2 on an AVX-512 machine, and Zen 3: the AVX2 FMA peak, not torch's GEMM.

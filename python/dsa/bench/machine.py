@@ -95,7 +95,7 @@ CEILING_LABEL = {
 }
 
 # The fp32 peak of each ISA dsa can run (AMX adds no fp32 instructions).
-_FP32_PEAK_OF_ISA = {"amx": "fp32_fma_avx512", "avx512": "fp32_fma_avx512",
+_FP32_PEAK_OF_ISA = {"amx": "fp32_fma_avx512", "avx512_bf16": "fp32_fma_avx512", "avx512": "fp32_fma_avx512",
                      "avx2": "fp32_fma_avx2", "portable": "fp32_portable"}
 
 # torch's bf16 matmul counts as native when it reaches at least this fraction of
@@ -114,9 +114,10 @@ def choose_ceiling(work: str, dtype: str, isa: str, bf16_native: bool, peaks) ->
     * memory-bound cases: the copy bandwidth;
     * bf16 on AMX with a native torch bf16 GEMM: that GEMM (oneDNN's AMX path is
       what a bf16 matmul reaches there);
-    * bf16 on AVX-512 (or AMX without native torch bf16) where the CPU has
-      avx512_bf16: the ``vdpbf16ps`` peak, the fastest bf16 arithmetic of that ISA;
-    * otherwise (fp32, or bf16 converted to fp32): the fp32 FMA peak of the ISA.
+    * bf16 at dsa's ``avx512_bf16`` level (Zen 4/5, or AMX without native torch
+      bf16): the ``vdpbf16ps`` peak, the arithmetic dsa's bf16 kernels run there;
+    * otherwise (fp32, or bf16 converted to fp32, as dsa's ``avx512`` and ``avx2``
+      levels do): the fp32 FMA peak of the ISA.
     """
     if work == "copy_bw":
         return "copy_bw"
@@ -127,7 +128,7 @@ def choose_ceiling(work: str, dtype: str, isa: str, bf16_native: bool, peaks) ->
     if dtype == "bf16":
         if isa == "amx" and bf16_native:
             return "bf16_gemm"
-        if isa in ("amx", "avx512") and "bf16_dot_avx512" in peaks:
+        if isa in ("amx", "avx512_bf16") and "bf16_dot_avx512" in peaks:
             return "bf16_dot_avx512"
     return _FP32_PEAK_OF_ISA[isa]
 
