@@ -1,10 +1,10 @@
 // AVX2 + FMA pooling kernels: the kernels of pool_simd.inc over an 8-lane ymm
 // layer, for CPUs without AVX-512 (Zen 2/3, Haswell to Comet Lake). The
 // layer's differences from the AVX-512 one:
-// - no k-masks: a Lane is a count of valid lanes; whole vectors (every
-//   group but a row's last) take plain loads and stores, a row's tail takes
-//   vmaskmovps for fp32 and a small zeroed block for 16-bit data (AVX2 has no
-//   16-bit masked load or store);
+// - no k-masks: whole vectors (WholeLane: every group but a row's last) take
+//   plain loads and stores and compile without any tail code; a row's tail
+//   (Lane: a count of valid lanes) takes vmaskmovps for fp32 and a small
+//   zeroed block for 16-bit data (AVX2 has no 16-bit masked load or store);
 // - a 32-channel group is four vectors; its bf16 / fp16 line is two 32-byte
 //   stores, streamed back to back so the write-combining buffer sends the
 //   whole line;
@@ -18,6 +18,7 @@
 //   hold one group's 12 accumulators, not two groups'.
 #include <immintrin.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 
@@ -38,8 +39,10 @@ constexpr int kForwardStrip = 32, kBackwardStrip = 32;
 struct Lane {
   int n;  // lanes [0, n) hold channels, 0 <= n <= 8
 };
+struct WholeLane {};
 
 inline Lane lane_mask(std::int64_t n) { return {n <= 0 ? 0 : n >= 8 ? 8 : static_cast<int>(n)}; }
+inline WholeLane whole_lane() { return {}; }
 
 // vmaskmovps mask of lanes [0, n).
 inline __m256i first_lanes(int n) {
@@ -60,6 +63,11 @@ inline __m256 load_whole(const void* base, std::int64_t at) {
 }
 
 template <DType T>
+inline __m256 load(const void* base, std::int64_t at, WholeLane) {
+  return load_whole<T>(base, at);
+}
+
+template <DType T>
 inline __m256 load(const void* base, std::int64_t at, Lane mask) {
   if (mask.n == 8) [[likely]]
     return load_whole<T>(base, at);
@@ -72,12 +80,14 @@ inline __m256 load(const void* base, std::int64_t at, Lane mask) {
   }
 }
 
+inline __m256 loadf(const float* p, WholeLane) { return _mm256_loadu_ps(p); }
 inline __m256 loadf(const float* p, Lane mask) {
   if (mask.n == 8) [[likely]]
     return _mm256_loadu_ps(p);
   return _mm256_maskload_ps(p, first_lanes(mask.n));
 }
 
+inline void storef(float* p, WholeLane, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void storef(float* p, Lane mask, __m256 v) {
   if (mask.n == 8) [[likely]]
     _mm256_storeu_ps(p, v);
@@ -118,35 +128,36 @@ inline void store32(void* p, __m256i v, bool stream) {
     _mm256_storeu_si256(static_cast<__m256i*>(p), v);
 }
 
-// A group's four vectors (32 channels) at base[at]: one 64-byte line of bf16 /
-// fp16 or two of fp32. A whole group is streamed (with `stream`) when its
-// first line is 64-byte aligned, so every line is written whole and in
-// order; any other group takes ordinary stores, a row's tail only its lanes.
+// A whole group's four vectors (32 channels) at base[at]: one 64-byte line of
+// bf16 / fp16 or two of fp32. Streamed (with `stream`) when its first line is
+// 64-byte aligned, so every line is written whole and in order; otherwise
+// ordinary stores.
 template <DType T>
-inline void store_group(void* base, std::int64_t at, const __m256 (&v)[4], const Lane (&mask)[4], bool stream) {
-  const bool whole = mask[3].n == 8;
+inline void store_group(void* base, std::int64_t at, const __m256 (&v)[4], const std::array<WholeLane, 4>&,
+                        bool stream) {
   if constexpr (T == DType::f32) {
     float* p = static_cast<float*>(base) + at;
-    if (whole) {
-      const bool nt = stream && (reinterpret_cast<std::uintptr_t>(p) & 63) == 0;
-      for (int h = 0; h < 4; ++h) store32(p + 8 * h, _mm256_castps_si256(v[h]), nt);
-    } else {
-      for (int h = 0; h < 4; ++h) storef(p + 8 * h, mask[h], v[h]);
-    }
+    const bool nt = stream && (reinterpret_cast<std::uintptr_t>(p) & 63) == 0;
+    for (int h = 0; h < 4; ++h) store32(p + 8 * h, _mm256_castps_si256(v[h]), nt);
   } else {
     std::uint16_t* p = static_cast<std::uint16_t*>(base) + at;
-    const __m256i first = to_half<T>(v[0], v[1]), second = to_half<T>(v[2], v[3]);
-    if (whole) {
-      const bool nt = stream && (reinterpret_cast<std::uintptr_t>(p) & 63) == 0;
-      store32(p, first, nt);
-      store32(p + 16, second, nt);
-    } else {
-      alignas(32) std::uint16_t line[32];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(line), first);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(line + 16), second);
-      const int n = mask[0].n + mask[1].n + mask[2].n + mask[3].n;
-      std::memcpy(p, line, n * sizeof(std::uint16_t));
-    }
+    const bool nt = stream && (reinterpret_cast<std::uintptr_t>(p) & 63) == 0;
+    store32(p, to_half<T>(v[0], v[1]), nt);
+    store32(p + 16, to_half<T>(v[2], v[3]), nt);
+  }
+}
+
+// A row's last, partial group: only its lanes, with ordinary stores.
+template <DType T>
+inline void store_group(void* base, std::int64_t at, const __m256 (&v)[4], const std::array<Lane, 4>& mask, bool) {
+  if constexpr (T == DType::f32) {
+    for (int h = 0; h < 4; ++h) storef(static_cast<float*>(base) + at + 8 * h, mask[h], v[h]);
+  } else {
+    alignas(32) std::uint16_t line[32];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(line), to_half<T>(v[0], v[1]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(line + 16), to_half<T>(v[2], v[3]));
+    const int n = mask[0].n + mask[1].n + mask[2].n + mask[3].n;
+    std::memcpy(static_cast<std::uint16_t*>(base) + at, line, n * sizeof(std::uint16_t));
   }
 }
 
