@@ -54,11 +54,18 @@ inline __m256 load_whole(const void* base, std::int64_t at) {
   if constexpr (T == DType::f32) {
     return _mm256_loadu_ps(static_cast<const float*>(base) + at);
   } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(base) + at));
-    if constexpr (T == DType::bf16)
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    else
-      return _mm256_cvtph_ps(h);
+    const auto* p = reinterpret_cast<const __m128i*>(static_cast<const std::uint16_t*>(base) + at);
+    if constexpr (T == DType::bf16) {
+      // bf16 -> fp32 is a move of each value into the high half of a 32-bit
+      // lane: the 8 values broadcast to both 128-bit halves (a plain load on
+      // current cores) and one in-lane byte shuffle, instead of a widening
+      // shuffle and a shift. Control bytes with the top bit set give 0.
+      const __m256i spread = _mm256_setr_epi8(-1, -1, 0, 1, -1, -1, 2, 3, -1, -1, 4, 5, -1, -1, 6, 7,  //
+                                              -1, -1, 8, 9, -1, -1, 10, 11, -1, -1, 12, 13, -1, -1, 14, 15);
+      return _mm256_castsi256_ps(_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128(p)), spread));
+    } else {
+      return _mm256_cvtph_ps(_mm_loadu_si128(p));
+    }
   }
 }
 
