@@ -40,6 +40,7 @@ const PoolKernel& pick_kernel() {
     case core::Isa::amx:
     case core::Isa::avx512_bf16: return avx512_bf16_kernel();
     case core::Isa::avx512: return avx512_kernel();
+    case core::Isa::avx2: return avx2_kernel();
     default: return portable_kernel();
   }
 }

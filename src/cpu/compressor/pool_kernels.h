@@ -15,7 +15,7 @@
 namespace dsa::cpu::compressor_kernels {
 
 // Floats of scratch a call needs: one weight per slot and channel of a
-// 64-channel strip (the AVX-512 kernels' unit; the portable one uses a row).
+// 64-channel strip (the vector kernels' unit; the portable one uses a row).
 inline std::int64_t scratch_floats(std::int64_t slot_count) { return slot_count * 64; }
 
 struct SlotRef {
@@ -61,6 +61,7 @@ struct PoolKernel {
 };
 
 const PoolKernel& portable_kernel();
+const PoolKernel& avx2_kernel();         // needs AVX2, FMA and F16C
 const PoolKernel& avx512_kernel();
 const PoolKernel& avx512_bf16_kernel();  // needs AVX512-BF16 (Zen 4/5, Sapphire Rapids class)
 

@@ -130,7 +130,7 @@ constexpr auto table_of_blocks(std::integer_sequence<int, MR...>) {
 }
 constexpr auto kBlocks = table_of_blocks(std::make_integer_sequence<int, kMr>{});
 
-void gemm(std::int64_t M, std::int64_t N, std::int64_t K, const float* const* arow, std::int64_t a_step,
+inline void gemm(std::int64_t M, std::int64_t N, std::int64_t K, const float* const* arow, std::int64_t a_step,
           const float* b, std::int64_t b_stride, float* const* crow, bool accumulate) {
   for (std::int64_t col = 0; col < N; col += kNr * kLanes) {
     const int nr = static_cast<int>(std::min<std::int64_t>(kNr, (N - col) / kLanes));
@@ -142,7 +142,7 @@ void gemm(std::int64_t M, std::int64_t N, std::int64_t K, const float* const* ar
 }
 
 // n storage-dtype elements to fp32, zeros up to `padded`.
-void to_float(const char* src, DType dtype, std::int64_t n, std::int64_t padded, float* dst) {
+inline void to_float(const char* src, DType dtype, std::int64_t n, std::int64_t padded, float* dst) {
   std::int64_t i = 0;
   if (n > 0) switch (dtype) {
     case DType::f32: std::memcpy(dst, src, n * 4); i = n; break;
