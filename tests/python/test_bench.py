@@ -219,8 +219,10 @@ def test_dsa_peak_microbenchmark_is_short_and_validates():
     assert kernels[0] == "fp32_portable"
     isa = _C.cpu_isa()
     # The kernel of the ISA dsa runs is always there to compare with.
-    assert {"avx2": "fp32_fma_avx2", "avx512": "fp32_fma_avx512", "amx": "fp32_fma_avx512",
-            "portable": "fp32_portable"}[isa] in kernels
+    assert {"avx2": "fp32_fma_avx2", "avx512": "fp32_fma_avx512", "avx512_bf16": "fp32_fma_avx512",
+            "amx": "fp32_fma_avx512", "portable": "fp32_portable"}[isa] in kernels
+    if isa in ("avx512_bf16", "amx"):
+        assert "bf16_dot_avx512" in kernels
     for k in kernels:
         t0 = time.perf_counter()
         flops = _C.measure_peak_flops(k, 0, 0.1)

@@ -36,10 +36,17 @@ using namespace attention_kernels;
 
 constexpr std::int64_t kRowsPerTask = 4;
 
-const AttentionKernel& pick_kernel(DType dtype) {
+enum class Pass { forward, backward };
+
+const AttentionKernel& pick_kernel(DType dtype, Pass pass) {
   switch (core::cpu_isa()) {
     case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
-    case core::Isa::avx512_bf16: return dtype == DType::bf16 ? avx512_bf16_kernel() : avx512_kernel();
+    // The forward stays on fp32 FMAs: with P rounded to bf16 for P.V the output
+    // that feeds the next layer carried measurably more error into a bf16
+    // model's gradients (docs/sparse_attention.md); the backward's bf16 products
+    // did not, and run at 1.3x the FMA backward.
+    case core::Isa::avx512_bf16:
+      return dtype == DType::bf16 && pass == Pass::backward ? avx512_bf16_kernel() : avx512_kernel();
     case core::Isa::avx512: return avx512_kernel();
     case core::Isa::avx2: return avx2_kernel();
     default: return portable_kernel();
@@ -249,7 +256,7 @@ float row_dot(const char* a, const char* b, DType dtype, std::int64_t n) {
 }  // namespace
 
 void sparse_attention_fwd(const SparseAttentionProblem& p) {
-  const AttentionKernel& kernel = pick_kernel(p.dtype);
+  const AttentionKernel& kernel = pick_kernel(p.dtype, Pass::forward);
   const Shape shape = shape_of(p);
   const std::int64_t H = p.heads;
   const std::size_t out_row_bytes = static_cast<std::size_t>(H * p.d_v) * dtype_size(p.dtype);
@@ -277,7 +284,7 @@ void sparse_attention_fwd(const SparseAttentionProblem& p) {
 }
 
 void sparse_attention_bwd(const SparseAttentionProblem& p) {
-  const AttentionKernel& kernel = pick_kernel(p.dtype);
+  const AttentionKernel& kernel = pick_kernel(p.dtype, Pass::backward);
   const Shape shape = shape_of(p);
   const std::int64_t H = p.heads, dv = p.d_v;
   const std::size_t es = dtype_size(p.dtype);
