@@ -19,26 +19,17 @@ from dataclasses import fields
 from .loop import CONFIGS, DTYPES, RunSpec, check_writable
 
 
-def _positive(name):
+def _number(name, kind=int):
+    """argparse type: a number of `kind` > 0, the error naming the flag."""
+    what = "an integer" if kind is int else "a number"
+
     def parse(text):
         try:
-            value = int(text)
+            value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name}: expected an integer >= 1, got {value}")
-        return value
-    return parse
-
-
-def _positive_float(name):
-    def parse(text):
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name}: expected a number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{name}: expected {what}, got {text!r}") from None
         if not value > 0:
-            raise argparse.ArgumentTypeError(f"{name}: expected a number > 0, got {value}")
+            raise argparse.ArgumentTypeError(f"{name}: expected {what} {'>= 1' if kind is int else '> 0'}, got {value}")
         return value
     return parse
 
@@ -48,18 +39,20 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dsa-train", description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", choices=list(CONFIGS), default=d.config, help="which ops run (default %(default)s)")
     ap.add_argument("--compare", action="store_true", help="train every configuration and compare them")
-    ap.add_argument("--steps", type=_positive("--steps"), default=d.steps)
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="with --compare: which configurations, comma separated (default %(default)s)")
+    ap.add_argument("--steps", type=_number("--steps"), default=d.steps)
     ap.add_argument("--warmup-steps", type=int, default=None,
                     help=f"steps left out of the step-time figures (default {d.warmup_steps}, fewer for short runs)")
-    ap.add_argument("--seq-len", type=_positive("--seq-len"), default=d.seq_len)
-    ap.add_argument("--batch", type=_positive("--batch"), default=d.batch)
-    ap.add_argument("--layers", type=_positive("--layers"), default=d.layers)
-    ap.add_argument("--hidden", type=_positive("--hidden"), default=d.hidden)
-    ap.add_argument("--heads", type=_positive("--heads"), default=d.heads)
-    ap.add_argument("--head-dim", type=_positive("--head-dim"), default=d.head_dim)
-    ap.add_argument("--index-topk", type=_positive("--index-topk"), default=d.index_topk)
+    ap.add_argument("--seq-len", type=_number("--seq-len"), default=d.seq_len)
+    ap.add_argument("--batch", type=_number("--batch"), default=d.batch)
+    ap.add_argument("--layers", type=_number("--layers"), default=d.layers)
+    ap.add_argument("--hidden", type=_number("--hidden"), default=d.hidden)
+    ap.add_argument("--heads", type=_number("--heads"), default=d.heads)
+    ap.add_argument("--head-dim", type=_number("--head-dim"), default=d.head_dim)
+    ap.add_argument("--index-topk", type=_number("--index-topk"), default=d.index_topk)
     ap.add_argument("--dtype", choices=list(DTYPES), default=d.dtype)
-    ap.add_argument("--lr", type=_positive_float("--lr"), default=d.lr)
+    ap.add_argument("--lr", type=_number("--lr", float), default=d.lr)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--indexer-loss", choices=["sparse", "none"], default=d.indexer_loss,
                     help="indexer KL loss of patched runs (default %(default)s)")
@@ -67,9 +60,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=d.threads, help="torch / dsa threads (0: all cores)")
     ap.add_argument("--save", metavar="DIR", help="save_pretrained the model (and optimizer state) here at the end")
     ap.add_argument("--resume", metavar="DIR", help="continue from a folder written by --save")
-    ap.add_argument("--memory-budget", type=_positive_float("--memory-budget"), metavar="GIB",
+    ap.add_argument("--memory-budget", type=_number("--memory-budget", float), metavar="GIB",
                     help="with --compare: find the most layers each configuration trains within GIB")
-    ap.add_argument("--timeout", type=_positive_float("--timeout"), default=1800.0,
+    ap.add_argument("--timeout", type=_number("--timeout", float), default=1800.0,
                     help="seconds one configuration may run before it is stopped (default %(default)s)")
     ap.add_argument("--json", metavar="PATH", default="build/train.json")
     ap.add_argument("--plot", metavar="PATH", default="build/train.png")
@@ -117,7 +110,11 @@ def main(argv=None) -> int:
         if args.compare:
             if args.save or args.resume:
                 ap.error("--save / --resume: not with --compare (each configuration runs in its own process)")
-            result = cmp.compare(spec, args.memory_budget, args.timeout, _log)
+            configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+            unknown = [c for c in configs if c not in CONFIGS]
+            if unknown or not configs:
+                ap.error(f"--configs: expected a comma list of {', '.join(CONFIGS)}, got {args.configs!r}")
+            result = cmp.compare(spec, args.memory_budget, args.timeout, _log, configs)
             print(cmp.tables(result))
             write_json(result, args.json)
             cmp.plot(result, args.plot)

@@ -34,13 +34,13 @@ def _child(spec: RunSpec, timeout_s: float, budget_gib: float | None = None) -> 
         return json.loads(out.read_text())
 
 
-def compare(spec: RunSpec, budget_gib: float | None, timeout_s: float, log) -> dict:
+def compare(spec: RunSpec, budget_gib: float | None, timeout_s: float, log, configs=tuple(CONFIGS)) -> dict:
     runs = {}
-    for name in CONFIGS:
+    for name in configs:
         log(f"[compare] {name}: {spec.steps} steps, {spec.layers} layers, {spec.seq_len} tokens, {spec.dtype}")
         runs[name] = _child(replace(spec, config=name, save=None, resume=None), timeout_s)
     result = {"spec": asdict(spec), "runs": runs}
-    base = runs["unpatched"]
+    base = runs.get("unpatched", {"error": "not run"})
     if "error" not in base:
         agree = {}
         for name, r in runs.items():
@@ -53,7 +53,7 @@ def compare(spec: RunSpec, budget_gib: float | None, timeout_s: float, log) -> d
         log(f"[compare] layers within {budget_gib} GiB")
         result["memory_budget_gib"] = budget_gib
         result["layers_within_budget"] = {name: _child(replace(spec, config=name), timeout_s, budget_gib)
-                                          for name in CONFIGS}
+                                          for name in configs}
     return result
 
 

@@ -28,7 +28,7 @@ STATE_FILE = "trainer_state.pt"
 @dataclass
 class RunSpec:
     config: str = "sas+li"
-    steps: int = 8
+    steps: int = 5
     warmup_steps: int = 2  # excluded from the steady-state step-time figures
     seq_len: int = 2048
     batch: int = 1
