@@ -1,5 +1,5 @@
-"""Collectives inside autograd, over torch.distributed (imported lazily: nothing in dsa's
-import path needs it)."""
+"""Collectives inside autograd, over torch.distributed (imported lazily: nothing that
+`import dsa` loads needs it)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
