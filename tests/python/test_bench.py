@@ -294,6 +294,20 @@ def test_a_slow_peer_is_cut_at_its_budget(tmp_path):
     assert slowish[FUSED]["naive_peer"] == NAIVE and "(warm-up)" in proc.stdout
 
 
+def test_a_single_run_case_is_called_once_and_measured_in_that_call(tmp_path, monkeypatch):
+    # Long-context cases (minutes per call): no warm-up and no second child for the memory.
+    calls = tmp_path / "calls"
+    for k, v in _slow_env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("DSA_TEST_CALLS", str(calls))
+    case = next(c for c in runner.load_cases() if c.name == "test/single/fp32")
+    (r,) = runner.run_case(case, {"compute": 1e12}, threads=1, memory=True, log=lambda *a: None, budget_s=5)
+    assert calls.read_text().count("call") == 1
+    assert r.single_run and len(r.times_ms) == 1 and r.error is None and r.skipped is None
+    assert 60 <= r.peak_extra_mib <= 80 and r.memory_method.endswith("(the timed run)"), r
+    assert "(1 run)" in format_table([r])
+
+
 def test_quick_benchmark_under_a_lower_isa_is_bounded_and_names_its_ceiling():
     """`make run` with DSA_ISA=avx2 (portable where the CPU lacks AVX2): finishes
     within the bound its budgets give, and compares with that ISA's own peak."""

@@ -37,6 +37,12 @@ class Case:
     note: str = ""                              # e.g. why an implementation is skipped
     skip: dict[str, str] = field(default_factory=dict)  # impl -> reason it does not run here
     repeats: Optional[int] = None               # timed runs (default chosen by the harness)
+    # Long-context cases whose one call takes minutes: no warm-up, one timed run
+    # whose peak extra memory is read in the same child process (no second child
+    # repeating the call). Lazy initialisation then counts into time and memory:
+    # milliseconds and kilobytes next to minutes and GiBs.
+    single_run: bool = False
+    budget_s: Optional[float] = None            # wall-time budget of one implementation (default: the harness's)
 
 
 def work_of(case: Case) -> tuple[str, str]:

@@ -78,7 +78,9 @@ def rows(results: list[Result]) -> list[tuple[str, ...]]:
         else:
             thr = "-"
         pct = f"{r.pct_of_ceiling:.1f}%" if finite(r.pct_of_ceiling) else "-"
-        if r.warmup_only:
+        if r.single_run:
+            pct += " (1 run)"
+        elif r.warmup_only:
             pct += " (warm-up)"
         elif r.timing_cut:
             pct += " (cut)"
@@ -118,6 +120,9 @@ def notes(results: list[Result], case_notes: dict[str, str]) -> list[str]:
                    "emulated here); the speed-up and memory columns use the faster of naive and naive_fp32")
     if any(r.timing_cut and not r.warmup_only for r in results):
         out.append("(cut): the timing budget ran out before the planned runs; the median is over those that finished")
+    if any(r.single_run for r in results):
+        out.append("(1 run): a long-context case timed by one cold call, without warm-up, its peak extra "
+                   "memory read in the same run (lazy initialisation included in both)")
     if any(r.warmup_only for r in results):
         out.append("(warm-up): no timed run fit the budget after the warm-up run, so the time is that of the "
                    "warm-up run (lazy initialisation included, no cache flush before it)")

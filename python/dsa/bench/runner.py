@@ -200,19 +200,17 @@ def _reset_high_water() -> bool:
         return False
 
 
-def measure_here(case: Case, impl: str) -> dict:
-    """Peak extra resident memory of one run of ``impl``; runs in a fresh process.
+def measure_run(fn, inputs: dict[str, Any], warm: bool = True) -> tuple[float, dict]:
+    """(seconds, peak extra resident memory) of one call of ``fn(inputs)``.
 
-    After setup and one warm-up run (lazy initialisation is not the op's memory),
-    the RSS high-water mark is reset to the current RSS; the result is the
-    high-water after one more run minus the RSS right before it. It counts every
+    After an optional warm-up call (lazy initialisation is not the op's memory),
+    the RSS high-water mark is reset to the current RSS; the peak is the
+    high-water after one more call minus the RSS right before it. It counts every
     page the op touches: outputs, scratch, intermediate tensors.
     """
     import resource
-    fn, setup = impl_callable(case, impl)
-    inputs = setup()
     can_reset = _reset_high_water()
-    if can_reset:
+    if warm and can_reset:
         out = fn(inputs)
         del out
     gc.collect()
@@ -228,13 +226,26 @@ def measure_here(case: Case, impl: str) -> dict:
     base = _proc_status_kib("VmRSS")
     if base is None:
         base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
     out = fn(inputs)
+    seconds = time.perf_counter() - t0
     peak = _proc_status_kib("VmHWM") if can_reset else None
     if peak is None:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     del out
-    return {"peak_extra_mib": max(0, peak - base) / 1024.0, "base_rss_mib": base / 1024.0,
-            "method": method}
+    return seconds, {"peak_extra_mib": max(0, peak - base) / 1024.0, "base_rss_mib": base / 1024.0,
+                     "method": method}
+
+
+def measure_here(case: Case, impl: str) -> dict:
+    """Peak extra memory of one warm run of ``impl``; runs in a fresh process."""
+    fn, setup = impl_callable(case, impl)
+    return measure_run(fn, setup())[1]
+
+
+# A fixed glibc mmap threshold turns off its dynamic raise, so blocks freed by a
+# warm-up run go back to the OS instead of being reused silently by the measured one.
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 
 def _child_env() -> dict:
@@ -258,8 +269,11 @@ def time_in_subprocess(case: Case, impl: str, threads: int, budget_s: float) -> 
     """
     cmd = [sys.executable, "-m", "dsa.bench._time", "--case", case.name, "--impl", impl,
            "--threads", str(threads), "--deadline", f"{time.time() + budget_s:.3f}"]
+    env = _child_env()
+    if case.single_run:  # the child also measures the run's peak memory
+        env.update(MEMORY_ENV)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(), timeout=budget_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=budget_s)
         out, err, code, killed = proc.stdout, proc.stderr, proc.returncode, False
     except subprocess.TimeoutExpired as e:
         out, err, code, killed = _text(e.stdout), _text(e.stderr), None, True
@@ -285,16 +299,17 @@ def time_in_subprocess(case: Case, impl: str, threads: int, budget_s: float) -> 
         return {"error": tail[0]}
     if final is None or not times:
         return {"error": "no timing printed"}
-    return {"times": times, "cut": cut}
+    got = {"times": times, "cut": cut}
+    memory = next((e["memory"] for e in events if "memory" in e), None)
+    if memory is not None:
+        got["memory"] = memory
+    return got
 
 
 def measure_in_subprocess(case: Case, impl: str, threads: int, timeout_s: float = 900) -> dict:
     """Runs ``python -m dsa.bench._memory`` for one (case, impl) and returns its JSON."""
     env = _child_env()
-    # A fixed glibc mmap threshold turns off its dynamic raise, so blocks freed by the
-    # warm-up run go back to the OS instead of being reused silently by the timed one.
-    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    env["MALLOC_TRIM_THRESHOLD_"] = "65536"
+    env.update(MEMORY_ENV)
     cmd = [sys.executable, "-m", "dsa.bench._memory", "--case", case.name, "--impl", impl,
            "--threads", str(threads)]
     try:
@@ -326,6 +341,7 @@ class Result:
     pct_of_ceiling: Optional[float] = None
     timing_cut: bool = False                 # fewer timed runs than planned: the budget ran out
     warmup_only: bool = False                # not even one timed run fit: the time is the warm-up run's
+    single_run: bool = False                 # a long-context case: one cold run (case.py)
     peak_extra_mib: Optional[float] = None
     memory_method: Optional[str] = None
     memory_error: Optional[str] = None
@@ -348,10 +364,12 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, 
     """
     work, _ = work_of(case)
     key = ceiling or work
+    budget_s = case.budget_s or budget_s
     results: list[Result] = []
     inputs = {}
     for impl in impls_of(case, fp32_peer):
-        r = Result(case=case.name, impl=impl, ceiling=key, ceiling_label=ceiling_label or key)
+        r = Result(case=case.name, impl=impl, ceiling=key, ceiling_label=ceiling_label or key,
+                   single_run=case.single_run)
         results.append(r)
         why = skip_reason(case, impl)
         if why is not None:
@@ -367,14 +385,20 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, 
                 r.skipped = f"over {budget_s:.0f} s (timing budget per implementation)"
                 continue
             times, r.timing_cut, r.warmup_only = got["times"], bool(got.get("cut")), bool(got.get("warmup_only"))
+            if "memory" in got:
+                r.peak_extra_mib = got["memory"]["peak_extra_mib"]
+                r.memory_method = got["memory"]["method"] + " (the timed run)"
         else:
             fn, setup = impl_callable(case, impl)
             kind = "fp32" if impl == NAIVE_FP32 else "case"  # one set-up per kind of inputs
             if kind not in inputs:
                 inputs[kind] = setup()
             try:
-                times = time_impl(fn, inputs[kind], case.repeats,
-                                  deadline=time.perf_counter() + budget_s)
+                if case.single_run:
+                    times = [measure_run(fn, inputs[kind], warm=False)[0]]
+                else:
+                    times = time_impl(fn, inputs[kind], case.repeats,
+                                      deadline=time.perf_counter() + budget_s)
             except Exception as e:  # one failing implementation must not hide the others
                 r.error = f"{type(e).__name__}: {e}"
                 continue
@@ -396,7 +420,10 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, 
     gc.collect()
     if memory:
         for r in results:
-            if r.skipped or r.error:
+            if r.skipped or r.error or r.memory_method:
+                continue
+            if case.single_run:
+                r.memory_error = "not measured: single-run case timed in this process"
                 continue
             if r.warmup_only:  # set-up and two calls would not fit twice the budget either
                 r.memory_error = "not measured: one call took the whole timing budget"

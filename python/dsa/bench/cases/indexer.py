@@ -47,7 +47,7 @@ def naive_bytes(T: int, S: int, Hi: int, dtype: torch.dtype) -> float:
 
 def indexer_case(T: int, *, Hi: int = 64, Di: int = 128, topk: int = 2048,
                  dtype: torch.dtype = torch.bfloat16, quick: bool = False,
-                 naive: bool = True, reference: bool = False) -> Case:
+                 naive: bool = True, reference: bool = False, long_context: bool = False) -> Case:
     pairs = T * (T + 1) // 2  # causal, one sequence, T = S
     impls = {FUSED: _fused("cpu")}
     skip = {}
@@ -63,8 +63,8 @@ def indexer_case(T: int, *, Hi: int = 64, Di: int = 128, topk: int = 2048,
     dt = str(dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float32", "fp32")
     note = ""
     if not naive:
-        note = (f"naive peer skipped: its [T,Hi,S] logits alone are {T * Hi * T * 2 / GIB:.0f} GiB in "
-                f"{dt} ({T * Hi * T * 4 / GIB:.0f} GiB in fp32), its weighted copy as much again, "
+        note = (f"naive peer skipped: its [T,Hi,S] logits alone are {T * Hi * T * 2 / GIB:,.0f} GiB in "
+                f"{dt} ({T * Hi * T * 4 / GIB:,.0f} GiB in fp32), its weighted copy as much again, "
                 f"and the [T,S] score matrix {T * T * 2 / GIB:.2f} GiB")
     return Case(
         name=f"indexer/{dt}/T{T}/Hi{Hi}/K{topk}",
@@ -75,6 +75,9 @@ def indexer_case(T: int, *, Hi: int = 64, Di: int = 128, topk: int = 2048,
         quick=quick,
         note=note,
         skip=skip,
+        # Minutes per call at T = 131072: one cold run (case.py), time and memory at once.
+        single_run=long_context,
+        budget_s=1200.0 if long_context else None,
     )
 
 
@@ -82,4 +85,7 @@ CASES = [
     indexer_case(512, Hi=8, topk=64, quick=True, reference=True),
     indexer_case(4096, quick=True),
     indexer_case(16384, naive=False),
+    # Long context: peak extra memory is the [T, topk] int32 output plus bounded
+    # scratch, so it grows with T * topk (4 -> 16 -> 128 Ki tokens), never with T * S.
+    indexer_case(131072, naive=False, long_context=True),
 ]

@@ -6,6 +6,8 @@
   and forward+backward, against the naive peer; (b) T = S = 4096, fused only.
 * DeepSeek-V4 CSA: H = 64, d = 512, window 128 + compressed ratio 4 with top-512
   cmp_indices, T = S = 4096, per-head sinks.
+  (c) long context: chunks of 1024 and 4096 queries at the end of a 131072-token
+  prefix, forward+backward.
 * Dense causal warm-up attention, T = S = 4096 (H = 64, d_qk 576, d_v 512).
 
 FLOPs over valid work (FlashMLA convention): forward ``2*H*(Dqk+Dv)*pairs``, backward
@@ -186,6 +188,11 @@ CASES = [
     v32_case(1024, 4096, 64, "fwd+bwd", naive=True),
     v32_case(1024, 4096, 128, "fwd", naive=True),
     v32_case(1024, 4096, 128, "fwd+bwd", naive=True),
+    # Long context, a prefill chunk at the end of a 128 Ki-token prefix: the same
+    # 1024 queries x top-2048 as on the 4096 prefix above, so time and peak extra
+    # memory should match those rows (O(T * topk), nothing of size T * S).
+    v32_case(1024, 131072, 64, "fwd+bwd", naive=True),
+    v32_case(4096, 131072, 64, "fwd+bwd", naive=False),
     v32_case(4096, 4096, 64, "fwd", naive=False),
     v32_case(4096, 4096, 64, "bwd", naive=False),
     v32_case(4096, 4096, 128, "fwd", naive=False),
