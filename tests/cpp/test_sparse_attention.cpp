@@ -345,6 +345,34 @@ TEST_P(SparseAttentionModes, CompressedIndicesMoreThanEntries) {
   check_config(c, 12);
 }
 
+TEST_P(SparseAttentionModes, SparseIndicesOverLongSequences) {
+  // Top-16 of up to 4200 keys: the backward widens its owned dkv blocks to
+  // 2048 rows (owner_rows_for), pools a token's few entries across sub-blocks
+  // and ends on a short last block; a 5-key sequence keeps a one-block case.
+  Config c = tnd({9, 0, 4, 30}, {3000, 0, 5, 4200});
+  c.dtype = dtype();
+  c.heads = 16;
+  c.dim = 48;
+  c.rope = 16;
+  c.d_v = 32;
+  c.topk = 16;
+  check_config(c, 21);
+}
+
+TEST_P(SparseAttentionModes, CompressedIndicesOverLongSequences) {
+  // Top-8 of 2250 compressed entries: wide owned blocks on the compressed side,
+  // the 256-row band blocks on the raw side.
+  Config c = tnd({25}, {9000});
+  c.dtype = dtype();
+  c.heads = 4;
+  c.dim = 32;
+  c.window = 16;
+  c.ratio = 4;
+  c.cmp_topk = 8;
+  c.sinks = true;
+  check_config(c, 22);
+}
+
 TEST_P(SparseAttentionModes, BsndPaddedIndices) {
   Config c;
   c.layout = Layout::BSND;

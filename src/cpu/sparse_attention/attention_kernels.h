@@ -20,12 +20,19 @@
 namespace dsa::cpu::attention_kernels {
 
 inline constexpr std::int64_t kKeyBlock = 32;  // keys gathered per block (forward, dq pass)
-inline constexpr std::int64_t kOwnerBlock = 256;  // key rows owned by one dkv task (<= 256: uint8 offsets)
+// Key rows owned by one dkv task (Shape::owner_rows). The driver widens the
+// block for explicit index sets that are sparse in a long sequence: a token's
+// packed operands are read once per (token, owned block), so with top-2048 of
+// 128 Ki keys a 256-row block would hold ~4 of a token's entries and phase 2
+// would stream the token's query and grad_out once per 4 pairs.
+inline constexpr std::int64_t kMinOwnerBlock = 256;
+inline constexpr std::int64_t kMaxOwnerBlock = 2048;  // offsets are uint16; scratch grows with it
 
 struct Shape {
   DType dtype;
   std::int64_t heads, dim, rope_dim, d_v;
   float scale;
+  std::int64_t owner_rows = kMinOwnerBlock;  // rows of an owned dkv block: a multiple of 64, <= kMaxOwnerBlock
   std::int64_t qk_dim() const { return dim + rope_dim; }
 };
 
@@ -62,7 +69,7 @@ struct RowBackward {
 struct TokenEntries {
   QueryRow query;
   RowBackward row;
-  const std::uint8_t* offsets;
+  const std::uint16_t* offsets;
   std::int64_t count;
 };
 
@@ -79,7 +86,7 @@ struct AttentionKernel {
   // [heads][rope_dim] (storage dtype, contiguous).
   void (*backward_query_row)(const Shape& shape, const QueryRow& query, const RowBackward& row,
                              const KeyRows& keys, void* scratch, void* d_query, void* d_query_rope);
-  // dkv of one owned block of `block.count` (<= kOwnerBlock) key rows:
+  // dkv of one owned block of `block.count` (<= shape.owner_rows) key rows:
   // accumulates every token's contribution in the given order and writes the
   // block's rows of d_main [count][dim] and d_rope [count][rope_dim].
   void (*backward_key_block)(const Shape& shape, const KeyRows& block, const TokenEntries* tokens,

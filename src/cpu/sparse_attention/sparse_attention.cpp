@@ -8,7 +8,7 @@
 // Backward, deterministic for any thread count, in three phases:
 //   1. per query row (parallel over rows): the softmax constants from the saved
 //      statistics (coef, delta), the row's dsink terms, and dq/dq_rope;
-//   2. per owned block of kOwnerBlock key rows (parallel over blocks): every
+//   2. per owned block of key rows (parallel over blocks; owner_rows_for): every
 //      token that attends a key of the block, in ascending token order,
 //      contributes to the block's fp32 accumulator, which is then written to
 //      dkv / dkey_rope / dcmp_kv. Each key row has exactly one owner task and a
@@ -165,6 +165,17 @@ std::vector<Scratch> make_scratch(int threads, std::size_t bytes, std::int64_t p
   return s;
 }
 
+// Rows of the owned dkv blocks of an index set of `topk` entries per query
+// over sequences of up to `max_len` keys: about 32 of a token's entries per
+// block when they are spread at random (a wider block would only grow the
+// per-thread accumulator). Depends on shapes only, never on the thread count,
+// so the summation order stays fixed.
+std::int64_t owner_rows_for(std::int64_t topk, std::int64_t max_len) {
+  std::int64_t rows = kMinOwnerBlock;
+  while (rows < kMaxOwnerBlock && rows * topk < 32 * max_len) rows *= 2;
+  return rows;
+}
+
 // Key rows owned by one dkv task: rows [first, first + count) of sequence
 // `seq`'s raw keys (compressed == false) or compressed entries.
 struct OwnerBlock {
@@ -177,10 +188,11 @@ struct OwnerBlock {
 struct InvertedIndex {
   std::vector<std::int64_t> start;  // [blocks + 1]
   std::vector<std::int32_t> rows;
-  std::vector<std::uint8_t> offsets;
+  std::vector<std::uint16_t> offsets;
 };
 
-InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std::vector<std::int64_t>& block_base) {
+InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std::vector<std::int64_t>& block_base,
+                     std::int64_t owner_rows) {
   InvertedIndex inv;
   const std::int64_t blocks = block_base.back();
   inv.start.assign(blocks + 1, 0);
@@ -198,7 +210,7 @@ InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std
           const std::int64_t j = idx[k];
           const bool valid = compressed ? (j >= 0 && j < seq.c_len && j < w.cmp_visible)
                                         : (j >= 0 && j < seq.k_len && j <= w.pos);
-          if (valid) visit(block_base[b] + j / kOwnerBlock, row, j % kOwnerBlock);
+          if (valid) visit(block_base[b] + j / owner_rows, row, j % owner_rows);
         }
       }
     }
@@ -211,7 +223,7 @@ InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std
   for_each_valid([&](std::int64_t block, std::int64_t row, std::int64_t offset) {
     const std::int64_t at = fill[block]++;
     inv.rows[at] = static_cast<std::int32_t>(row);
-    inv.offsets[at] = static_cast<std::uint8_t>(offset);
+    inv.offsets[at] = static_cast<std::uint16_t>(offset);
   });
   return inv;
 }
@@ -285,7 +297,20 @@ void sparse_attention_fwd(const SparseAttentionProblem& p) {
 
 void sparse_attention_bwd(const SparseAttentionProblem& p) {
   const AttentionKernel& kernel = pick_kernel(p.dtype, Pass::backward);
-  const Shape shape = shape_of(p);
+  // Owned dkv blocks: widened for sparse explicit index sets (owner_rows_for);
+  // implicit sets (band, every visible compressed entry) are dense runs.
+  std::int64_t max_k_len = 0, max_c_len = 0;
+  for (const auto& seq : p.plan.seqs) {
+    max_k_len = std::max(max_k_len, seq.k_len);
+    max_c_len = std::max(max_c_len, seq.c_len);
+  }
+  Shape shape = shape_of(p);
+  if (p.indices) shape.owner_rows = owner_rows_for(p.topk, max_k_len);
+  Shape cmp_shape = shape;
+  cmp_shape.rope_dim = 0;
+  cmp_shape.owner_rows = p.cmp_indices ? owner_rows_for(p.cmp_topk, max_c_len) : kMinOwnerBlock;
+  Shape scratch_shape = shape;  // scratch for either kind of block
+  scratch_shape.owner_rows = std::max(shape.owner_rows, cmp_shape.owner_rows);
   const std::int64_t H = p.heads, dv = p.d_v;
   const std::size_t es = dtype_size(p.dtype);
   // Everything no task writes (padding rows, keys nobody attends) is zero.
@@ -312,7 +337,7 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   // query and grad_out in tile layouts), about the size of query + grad_out.
   const std::size_t packed_row = kernel.packed_row_bytes(shape);
   const core::ScratchBuffer packed(packed_row * p.plan.q_rows);  // not zeroed: every row that is read was written
-  std::vector<Scratch> scratch = make_scratch(threads, kernel.scratch_bytes(shape), max_attended(p));
+  std::vector<Scratch> scratch = make_scratch(threads, kernel.scratch_bytes(scratch_shape), max_attended(p));
   core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t t, int thread) {
     const RowTask& task = tasks[t];
     const auto& seq = p.plan.seqs[task.seq];
@@ -352,37 +377,35 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   std::vector<std::int64_t> raw_base{0}, cmp_base{0};
   for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
     const auto& seq = p.plan.seqs[b];
-    for (std::int64_t j = 0; j < seq.k_len; j += kOwnerBlock)
-      blocks.push_back({false, b, j, std::min(kOwnerBlock, seq.k_len - j)});
+    for (std::int64_t j = 0; j < seq.k_len; j += shape.owner_rows)
+      blocks.push_back({false, b, j, std::min(shape.owner_rows, seq.k_len - j)});
     raw_base.push_back(static_cast<std::int64_t>(blocks.size()));
   }
   const std::int64_t n_raw_blocks = static_cast<std::int64_t>(blocks.size());
   if (p.cmp_kv)
     for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
       const auto& seq = p.plan.seqs[b];
-      for (std::int64_t j = 0; j < seq.c_len; j += kOwnerBlock)
-        blocks.push_back({true, b, j, std::min(kOwnerBlock, seq.c_len - j)});
+      for (std::int64_t j = 0; j < seq.c_len; j += cmp_shape.owner_rows)
+        blocks.push_back({true, b, j, std::min(cmp_shape.owner_rows, seq.c_len - j)});
       cmp_base.push_back(static_cast<std::int64_t>(blocks.size()) - n_raw_blocks);
     }
   InvertedIndex raw_inv, cmp_inv;
-  if (p.indices) raw_inv = invert(p, false, raw_base);
-  if (p.cmp_indices) cmp_inv = invert(p, true, cmp_base);
+  if (p.indices) raw_inv = invert(p, false, raw_base, shape.owner_rows);
+  if (p.cmp_indices) cmp_inv = invert(p, true, cmp_base, cmp_shape.owner_rows);
 
   struct OwnerScratch {
     std::vector<TokenEntries> tokens;
-    std::vector<std::uint8_t> offsets;
-    const char* main[kOwnerBlock];
-    const char* rope[kOwnerBlock];
+    std::vector<std::uint16_t> offsets;
+    const char* main[kMaxOwnerBlock];
+    const char* rope[kMaxOwnerBlock];
   };
   std::vector<OwnerScratch> owner(threads);
-  Shape cmp_shape = shape;
-  cmp_shape.rope_dim = 0;
   core::parallel_for(static_cast<std::int64_t>(blocks.size()), threads, [&](std::int64_t t, int thread) {
     const OwnerBlock& blk = blocks[t];
     const auto& seq = p.plan.seqs[blk.seq];
     OwnerScratch& os = owner[thread];
     os.tokens.clear();
-    auto make_token = [&](std::int64_t row, const std::uint8_t* offsets, std::int64_t count) {
+    auto make_token = [&](std::int64_t row, const std::uint16_t* offsets, std::int64_t count) {
       RowBackward rb{static_cast<const char*>(p.grad_out) + row * p.go_row_stride * es, p.go_head_stride,
                      p.saved_max + row * H, coef.data() + row * H, delta.data() + row * H,
                      packed_row ? packed.data() + row * packed_row : nullptr};
@@ -409,7 +432,7 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
         i_begin = std::max<std::int64_t>(0, blk.first - shift);
         if (p.window > 0) i_end = std::min(i_end, blk.first + blk.count - 1 + p.window - 1 - shift + 1);
       }
-      os.offsets.resize(std::max<std::int64_t>(0, i_end - i_begin) * kOwnerBlock);
+      os.offsets.resize(std::max<std::int64_t>(0, i_end - i_begin) * blk.count);
       std::int64_t used = 0;
       for (std::int64_t i = i_begin; i < i_end; ++i) {
         const auto w = p.row_window(seq, i);
@@ -422,8 +445,8 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
           hi = std::min(blk.first + blk.count, w.pos + 1);
         }
         if (hi <= lo) continue;
-        std::uint8_t* off = os.offsets.data() + used;
-        for (std::int64_t j = lo; j < hi; ++j) off[j - lo] = static_cast<std::uint8_t>(j - blk.first);
+        std::uint16_t* off = os.offsets.data() + used;
+        for (std::int64_t j = lo; j < hi; ++j) off[j - lo] = static_cast<std::uint16_t>(j - blk.first);
         used += hi - lo;
         make_token(seq.q_begin + i, off, hi - lo);
       }
