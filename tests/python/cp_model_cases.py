@@ -98,6 +98,25 @@ def case_vs_single(chk, world, rank, kind, layout, indexer_loss, seed=0):
     return c_logits, c_grads
 
 
+def case_grads_averaged(chk, world, rank):
+    """patch(grads_averaged_over_cp=True): every share (LM loss, indexer KL) is W times
+    the summing form's, so gradients AVERAGED over the ranks equal the single-process ones."""
+    ends, offsets = PACKED[world]
+    base = build("v32")
+    ids, pos = _inputs(ends)
+    ref = patch(copy.deepcopy(base), indexer_loss="sparse", strict=True)
+    _, loss, grads = _single(ref, ids, pos)
+    cpm = patch(copy.deepcopy(base), indexer_loss="sparse", strict=True, cp_group=dist.group.WORLD,
+                grads_averaged_over_cp=True)
+    _, c_loss, c_grads, shard = _cp_run(cpm, ids, ends, offsets, rank)
+    chk.close("LM shares sum to W * loss", c_loss, world * loss)
+    want_kl = indexer_losses(ref)
+    for n, v in _kl_sums(cpm, shard).items():
+        chk.close(f"indexer KL {n}: shares sum to W * loss", v, world * want_kl[n])
+    for n, g in grads.items():
+        chk.close(f"grad {n} (averaged over ranks)", c_grads[n] / world, g)
+
+
 def case_vs_unpatched(chk, world, rank, kind, layout):
     """CP against transformers' own model, fp32 as the naive peer and float64 as the oracle."""
     ends, offsets = (PACKED if layout == "packed" else SINGLE)[world]
@@ -165,6 +184,7 @@ def cases(world):
             ("v4_single_vs_unpatched", lambda c, w, r: case_vs_unpatched(c, w, r, "v4", "single")),
             ("v32_packed_dense_kl", lambda c, w, r: case_vs_single(c, w, r, "v32", "packed", "dense")),
             ("v32_packed_vs_unpatched", lambda c, w, r: case_vs_unpatched(c, w, r, "v32", "packed")),
+            ("grads_averaged_over_cp", case_grads_averaged),
             ("errors", case_errors),
         ]
     return out
