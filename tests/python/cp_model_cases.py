@@ -170,8 +170,11 @@ def case_errors(chk, world, rank):
         wrong[0] += 1
     _expect_raise(chk, "ranks with different doc_ends", ValueError, ["doc_ends"],
                   lambda: cp_batch(cpm, local, wrong))
-    _expect_raise(chk, "unpatched-for-CP model", ValueError, ["cp_group"],
-                  lambda: cp_batch(patch(copy.deepcopy(base)), local, ends))
+    plain = patch(copy.deepcopy(base))
+    _expect_raise(chk, "cp_batch on a model patched without CP", ValueError, ["cp_group"],
+                  lambda: cp_batch(plain, local, ends))
+    _expect_raise(chk, "a shard passed to a model patched without CP", ValueError, ["dsa_cp_shard", "cp_group"],
+                  lambda: plain(**kw))
 
 
 def cases(world):
