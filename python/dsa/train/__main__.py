@@ -4,6 +4,7 @@ fused ops, and with --compare shows the difference.
 
     python -m dsa.train [--config unpatched|sas|sas+li] [--steps N] [--seq-len L] ...
     python -m dsa.train --compare [--memory-budget GIB]      # what `make run` runs
+    torchrun --nproc-per-node 2 -m dsa.train --cp 2 [...]    # context parallel, gloo
 
 Per step: loss, each layer type's indexer KL and recall@k (patched runs with an
 indexer loss), tokens/s, behind a progress bar. Writes a JSON of every figure and,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 
@@ -67,6 +69,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH", default="build/train.json")
     ap.add_argument("--plot", metavar="PATH", default="build/train.png")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--cp", type=_number("--cp"), default=d.cp, metavar="W",
+                    help="context parallel over W ranks (gloo; start with torchrun --nproc-per-node W); "
+                         "each rank trains on its contiguous run of every batch")
     ap.add_argument("--_child-spec", help=argparse.SUPPRESS)
     ap.add_argument("--_child-out", help=argparse.SUPPRESS)
     ap.add_argument("--_child-budget", type=float, help=argparse.SUPPRESS)
@@ -75,6 +80,30 @@ def parser() -> argparse.ArgumentParser:
 
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def _check_cp(ap, args) -> None:
+    """--cp W runs one process per rank under torchrun; a mismatch is an error before any
+    process group is made (and a torchrun start without --cp would train W copies)."""
+    world = os.environ.get("WORLD_SIZE")
+    if args.cp == 1:
+        if world is not None and int(world) > 1:
+            ap.error(f"--cp: started with WORLD_SIZE={world} (torchrun?) but without --cp {world}; every "
+                     "process would train the whole batch")
+        return
+    if world is None:
+        ap.error(f"--cp {args.cp}: needs one process per rank, started by torchrun (WORLD_SIZE is not set): "
+                 f"torchrun --nproc-per-node {args.cp} -m dsa.train --cp {args.cp} ...")
+    if int(world) != args.cp:
+        ap.error(f"--cp {args.cp}: torchrun started {world} processes (WORLD_SIZE={world}); "
+                 f"use --nproc-per-node {args.cp}")
+    if args.compare or args.memory_budget:
+        ap.error("--cp: not with --compare / --memory-budget (run each configuration by itself)")
+    if args.config != "sas+li":
+        ap.error(f"--cp: needs --config sas+li (dsa's attention, indexer and compressors; got {args.config}): "
+                 "transformers' own attention would see each rank's rows only")
+    if args.seq_len * args.batch < args.cp:
+        ap.error(f"--cp {args.cp}: a batch of {args.seq_len * args.batch} tokens cannot give every rank one")
 
 
 def main(argv=None) -> int:
@@ -104,6 +133,8 @@ def main(argv=None) -> int:
         ap.error(f"--threads: expected an integer >= 0, got {args.threads}")
     if args.memory_budget and not args.compare:
         ap.error("--memory-budget: only with --compare")
+    _check_cp(ap, args)
+    rank0 = int(os.environ.get("RANK", "0")) == 0 if args.cp > 1 else True
     try:
         for path, what in ((args.json, "--json"), (args.plot, "--plot")):
             check_writable(path, what)
@@ -122,12 +153,16 @@ def main(argv=None) -> int:
             failed = [n for n, r in result["runs"].items() if "error" in r]
             return 1 if failed else 0
         result = run(spec)
+        if not rank0:  # under --cp only rank 0 reports and writes
+            return 0
         write_json(result, args.json)
         last = result["steps"][-1]
         print(f"{spec.config}: {len(result['steps'])} steps, loss {result['loss_first']:.4f} -> "
               f"{result['loss_last']:.4f}, {result['step_seconds']['median']:.2f} s/step, "
               f"{result['tokens_per_s']:.0f} tokens/s, peak {result['memory_gib']['peak_rss']:.2f} GiB"
               + (f", indexer KL {last['indexer_kl']}" if last["indexer_kl"] else ""))
+        if "cp" in result:
+            print(cmp.cp_table(result["cp"]))
         _log(f"wrote {args.json}")
         return 0
     except ValueError as e:

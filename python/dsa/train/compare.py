@@ -119,6 +119,15 @@ def tables(result: dict) -> str:
     return "\n".join(lines)
 
 
+def cp_table(cp: dict) -> str:
+    """Per rank of a --cp run: its rows, median step time and peak RSS (VmHWM)."""
+    head = f"{'rank':>4} {'rows':>6} {'s/step median':>13} {'peak GiB':>9}"
+    lines = [f"context parallel: {cp['world_size']} ranks ({cp['backend']})", head, "-" * len(head)]
+    for r in cp["ranks"]:
+        lines.append(f"{r['rank']:>4} {r['rows']:>6} {r['step_seconds_median']:>13.2f} {r['peak_rss_gib']:>9.2f}")
+    return "\n".join(lines)
+
+
 def plot(result: dict, path: str) -> None:
     import matplotlib
 

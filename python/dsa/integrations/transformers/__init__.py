@@ -19,7 +19,7 @@ import torch
 
 from ._state import INDEXER_LOSSES, Options, PatchFallbackError, PatchState, env_value, options_from_env
 
-__all__ = ["patch", "unpatch", "is_patched", "indexer_losses", "indexer_recall", "track_indexer_recall",
+__all__ = ["patch", "unpatch", "is_patched", "cp_batch", "indexer_losses", "indexer_recall", "track_indexer_recall",
            "fallback_counts", "PatchFallbackError"]
 
 _STATE_ATTR = "_dsa_patch_state"
@@ -52,7 +52,7 @@ def _bind(module, fn, state, name):
 
 def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compressor: bool = True,
           indexer_loss: Optional[str] = None, loss_coefficient: float = 1.0, backend: str = "auto",
-          strict: bool = False) -> torch.nn.Module:
+          strict: bool = False, cp_group=None, grads_averaged_over_cp: bool = False) -> torch.nn.Module:
     """Route a DeepSeek-V3.2 / V4 transformers model through dsa's ops (in place; returns it).
 
     - ``sas``: every layer's attention core runs in ``dsa_sparse_attention`` (V3.2 with
@@ -66,6 +66,15 @@ def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compress
       ``indexer_losses(model)`` reads each layer's value.
     - ``strict``: raise :class:`PatchFallbackError` instead of running the model's own
       forward where dsa cannot run a call exactly.
+    - ``cp_group``: a ``torch.distributed`` process group to run the model context
+      parallel over (docs/context_parallel.md, "Model level"): each rank calls
+      ``model(**cp_batch(model, local_input_ids, doc_ends))`` on its contiguous run of the
+      packed stream. Needs ``sas=True``, ``li=True`` and ``compressor=True``. Under CP a
+      call dsa cannot run exactly raises :class:`PatchFallbackError` (there is no
+      fallback: the model's own attention would see this rank's keys only).
+    - ``grads_averaged_over_cp``: the gradients will be *averaged* over the CP ranks (a
+      DDP whose group includes CP); every loss share (``out.loss`` and the indexer KL) is
+      then scaled by W. Default: the caller sums them.
 
     The environment variable ``DSA_PATCH`` overrides the flags: ``off``, ``all``, or a
     comma list of ``sas``, ``li``, ``compressor``, ``loss=sparse``, ``loss=dense``, ``strict``.
@@ -78,10 +87,20 @@ def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compress
         raise ValueError("indexer_loss needs sas=True: its teacher is the patched attention's softmax statistics")
     if opts.backend not in _BACKENDS:
         raise ValueError(f"backend: expected one of {_BACKENDS}, got {opts.backend!r}")
+    if cp_group is not None:
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("cp_group: torch.distributed is not initialised (init_process_group first)")
+        if not (opts.sas and opts.li and opts.compressor):
+            raise ValueError("cp_group: context parallelism needs sas=True, li=True and compressor=True (the "
+                             "model's own attention, indexer or pooling would see this rank's rows only); got "
+                             f"sas={opts.sas}, li={opts.li}, compressor={opts.compressor}")
+    elif grads_averaged_over_cp:
+        raise ValueError("grads_averaged_over_cp: only with cp_group")
     if is_patched(model):
         unpatch(model)
 
-    state = PatchState(opts)
+    state = PatchState(opts, cp_group=cp_group, cp_grads_averaged=bool(grads_averaged_over_cp))
     found = 0
     for kind, mod in _families():
         attention_cls = mod.DeepseekV32Attention if kind == "v32" else mod.DeepseekV4Attention
@@ -136,8 +155,35 @@ def _state(model) -> PatchState:
     return state
 
 
+def cp_batch(model: torch.nn.Module, input_ids: torch.Tensor, doc_ends, labels: Optional[torch.Tensor] = None,
+             ignore_index: int = -100) -> dict:
+    """The keyword arguments of one context-parallel call: ``model(**cp_batch(...))``.
+
+    Collective over the patch's ``cp_group`` (every rank calls it, then the model).
+    ``input_ids``: this rank's contiguous run of the packed token stream, ``[T_r]`` or
+    ``[1, T_r]`` (rank order; uneven runs allowed, each at least one token).
+    ``doc_ends``: the GLOBAL cumulative document ends, the same on every rank (checked).
+    ``labels``: this rank's run of the labels, unshifted as for ``model(labels=...)``
+    (default: ``input_ids``); they are shifted over the whole stream, as transformers
+    shifts a single-process packed row (mask the first token of each document with
+    ``ignore_index`` to stop a document predicting the next one).
+
+    Returns ``input_ids``, ``position_ids`` (each row's position in its document, for
+    RoPE), ``labels``, ``shift_labels``, ``num_items_in_batch`` (the global target count:
+    ``out.loss`` is this rank's share of the global mean loss), ``use_cache=False`` and
+    the shard. Sum the shares (``dsa.cp.loss_for_logging``) to log the loss; sum the
+    parameters' gradients over the CP ranks."""
+    from . import _cp
+
+    state = _state(model)
+    if state.cp_group is None:
+        raise ValueError("cp_batch: the model is not patched with a cp_group (patch(model, cp_group=group))")
+    return _cp.cp_batch(state, input_ids, doc_ends, labels, ignore_index)
+
+
 def indexer_losses(model: torch.nn.Module) -> dict:
-    """Each layer's latest indexer loss (detached fp32 scalars), keyed by attention module name."""
+    """Each layer's latest indexer loss (detached fp32 scalars), keyed by attention module name.
+    Under context parallelism: this rank's share (sum the ranks' values for the loss)."""
     return dict(_state(model).indexer_losses)
 
 

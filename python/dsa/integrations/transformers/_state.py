@@ -66,6 +66,9 @@ class PatchState:
     # (mask tensor, position_ids tensor, extra key, geometry) of the last call: every
     # layer of a forward sees the same mask object, so it is analysed once.
     geometry_cache: list = field(default_factory=list)
+    cp_group: Optional[object] = None    # patch(cp_group=...): the context-parallel process group
+    cp_grads_averaged: bool = False      # patch(grads_averaged_over_cp=...): the loss shares are scaled by W
+    cp_mask_checked: Optional[tuple] = None  # (weakref to the last mask found right, window)
 
     def fallback(self, reason: str) -> None:
         """Counts a call that runs the model's own forward; warns once per reason."""

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import dsa_dense_indexer_kl_loss, dsa_dense_indexer_lse, dsa_indexer, dsa_kl_loss, dsa_sparse_attention
-from . import _geometry, _loss
+from . import _cp, _geometry, _loss, _ops
 from ._checks import call_reason, cache_layer_reason
 
 from transformers.cache_utils import DynamicIndexedLayer
@@ -63,10 +62,9 @@ def _index_tensors(ix, hidden_states, q_resid, position_embeddings, past_key_val
     return q, k, weights
 
 
-def _select(ix, q, k, weights, geom, opts):
-    return dsa_indexer(geom.flat(q), geom.flat(k), geom.flat(weights), topk=ix.index_topk, scale=ix.softmax_scale,
-                       query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
-                       backend=opts.backend)
+def _select(ix, q, k, weights, ops):
+    """Top-k of the indexer; ``k`` is already in the ops' form (flat, gathered under CP)."""
+    return ops.indexer(ops.geom.flat(q), k, ops.geom.flat(weights), topk=ix.index_topk, scale=ix.softmax_scale)
 
 
 def attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
@@ -74,22 +72,31 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     st = self._dsa_state
     opts = st.options
     batch, seq = hidden_states.shape[:2]
-    reason = (call_reason(self, kwargs) or _absorb_reason(self.kv_b_proj)
-              or cache_layer_reason(past_key_values, self.layer_idx, _CACHE_LAYERS, allow_tokens=True))
-    geom = None
-    if reason is None:
-        past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
-        geom = _geometry.cached_analyse(st, attention_mask, position_ids, kwargs, batch, seq, past, None)
-        if isinstance(geom, str):
-            reason = geom
-        elif geom.layout == "TND" and past_key_values is not None and not opts.li and opts.indexer_loss != "dense":
-            # With a cache the model builds a plain causal mask for packed rows, and its own
-            # indexer then spends picks on other documents.
-            reason = "packed rows with a cache and the model's own indexer (li=False)"
-    if reason is not None:
-        st.fallback(reason)
-        return _original(self, hidden_states, position_embeddings, attention_mask, past_key_values, position_ids,
-                         **kwargs)
+    shard = _cp.call_shard(self, st, kwargs, past_key_values, attention_mask, position_ids, batch, seq, None)
+    if shard is not None:  # context parallel (patch() checked the flags: sas and li)
+        if _absorb_reason(self.kv_b_proj):
+            raise _cp.PatchFallbackError(f"dsa patch under context parallelism: {_absorb_reason(self.kv_b_proj)}")
+        ops = _cp.CPOps(shard, opts.backend, st.cp_grads_averaged)
+    else:
+        reason = (call_reason(self, kwargs) or _absorb_reason(self.kv_b_proj)
+                  or cache_layer_reason(past_key_values, self.layer_idx, _CACHE_LAYERS, allow_tokens=True))
+        geom = None
+        if reason is None:
+            past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
+            geom = _geometry.cached_analyse(st, attention_mask, position_ids, kwargs, batch, seq, past, None)
+            if isinstance(geom, str):
+                reason = geom
+            elif (geom.layout == "TND" and past_key_values is not None and not opts.li
+                  and opts.indexer_loss != "dense"):
+                # With a cache the model builds a plain causal mask for packed rows, and its own
+                # indexer then spends picks on other documents.
+                reason = "packed rows with a cache and the model's own indexer (li=False)"
+        if reason is not None:
+            st.fallback(reason)
+            return _original(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                             position_ids, **kwargs)
+        ops = _ops.Local(geom, opts.backend)
+    geom = ops.geom
 
     # The model's own projections, norms and RoPE, in its order (same bits up to here).
     q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
@@ -114,6 +121,9 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     loss_kind = opts.indexer_loss if torch.is_grad_enabled() else None
     iq = ik = iw = None
     indices = None
+    # Key side in the ops' form, gathered once under CP: the attention and the KL read kv,
+    # the indexer and the KL read ik.
+    kv = ops.keys(geom.flat(kv))
     if opts.indexer_loss != "dense" and not opts.li:
         # The model's own indexer (it appends this call's keys to the cache itself).
         indices = ix(hidden_states, q_resid, position_embeddings, attention_mask[:, 0], position_ids,
@@ -126,30 +136,23 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
         if loss_kind is not None:
             iq, ik, iw = _index_tensors(ix, hidden_states, q_resid, position_embeddings, past_key_values, True,
                                         update_cache=False)
+            ik = ops.keys(geom.flat(ik))
     else:
         iq, ik, iw = _index_tensors(ix, hidden_states, q_resid, position_embeddings, past_key_values,
                                     loss_kind is not None, update_cache=True)
+        ik = ops.keys(geom.flat(ik))
         if opts.indexer_loss != "dense":
-            indices = _select(ix, iq, ik, iw, geom, opts)
+            indices = _select(ix, iq, ik, iw, ops)
 
     # Dense warm-up (indices=None): dense causal attention on the latent.
-    out, smax, ssum = dsa_sparse_attention(
-        geom.flat(query), geom.flat(kv), indices, scale=self.scaling,
-        d_v=rank, query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
-        backend=opts.backend)
+    out, smax, ssum = ops.attention(geom.flat(query), kv, indices, scale=self.scaling, d_v=rank)
     if loss_kind == "sparse":
-        kl = dsa_kl_loss(geom.flat(query).detach(), geom.flat(kv).detach(), indices, smax, ssum,
-                         geom.flat(iq), geom.flat(ik), geom.flat(iw), scale=self.scaling, index_scale=ix.softmax_scale,
-                         query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
-                         loss_coefficient=opts.loss_coefficient, backend=opts.backend)
+        kl = ops.kl(geom.flat(query).detach(), kv.detach(), indices, smax, ssum, geom.flat(iq), ik, geom.flat(iw),
+                    scale=self.scaling, index_scale=ix.softmax_scale, loss_coefficient=opts.loss_coefficient)
     elif loss_kind == "dense":
-        lengths = dict(query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
-                       backend=opts.backend)
-        lse = dsa_dense_indexer_lse(geom.flat(iq), geom.flat(ik), geom.flat(iw), scale=ix.softmax_scale, **lengths)
-        kl = dsa_dense_indexer_kl_loss(geom.flat(iq), geom.flat(ik), geom.flat(iw), geom.flat(query),
-                                       geom.flat(kv).unsqueeze(-2), smax, ssum, lse, scale=self.scaling,
-                                       index_scale=ix.softmax_scale, loss_coefficient=opts.loss_coefficient,
-                                       **lengths)
+        lse = ops.dense_lse(geom.flat(iq), ik, geom.flat(iw), scale=ix.softmax_scale)
+        kl = ops.dense_kl(geom.flat(iq), ik, geom.flat(iw), geom.flat(query), kv.unsqueeze(-2), smax, ssum, lse,
+                          scale=self.scaling, index_scale=ix.softmax_scale, loss_coefficient=opts.loss_coefficient)
     if loss_kind is not None:
         st.indexer_losses[self._dsa_name] = kl.detach()
         out = _loss.attach(out, kl)
@@ -174,7 +177,8 @@ def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention
         return _original(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
                          past_key_values=past_key_values)
     q, k, w = _index_tensors(self, hidden_states, q_resid, position_embeddings, past_key_values, False, True)
-    idx = _select(self, q, k, w, geom, st.options)
+    ops = _ops.Local(geom, st.options.backend)
+    idx = _select(self, q, geom.flat(k), w, ops)
     idx = geom.unflat(idx)[..., :min(self.index_topk, keys)]
     own = torch.arange(seq, device=idx.device, dtype=idx.dtype).view(1, seq, 1) + (keys - seq)
     if geom.layout == "TND":

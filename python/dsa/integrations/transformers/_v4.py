@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import dsa_compressor, dsa_indexer, dsa_kl_loss, dsa_sparse_attention
-from . import _geometry, _loss, _metrics
+from . import _cp, _geometry, _loss, _metrics, _ops
 from ._checks import call_reason, cache_layer_reason
 
 from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -45,33 +44,36 @@ def _pool_torch(module, kv, gate, overlap: bool) -> torch.Tensor:
     return (chunk_kv * chunk_gate.softmax(dim=2, dtype=torch.float32).to(chunk_kv.dtype)).sum(dim=2)
 
 
-def _compress(module, hidden_states, geom, use_dsa: bool, backend: str):
+def _compress(module, hidden_states, ops, use_dsa: bool):
     """(compressed entries after kv_norm and RoPE, entry count, kv, gate).
 
     BSND gives [B, S // m, c] over whole rows, as the model pools them: entries holding
     right padding are invisible to every valid query (the ops derive visibility from the
     raw key lengths), and a cache then receives exactly the model's entries. TND gives
-    [S_cmp, c] with the documents back to back; RoPE positions restart per document."""
+    [S_cmp, c] with the documents back to back; RoPE positions restart per document.
+    Under CP (``ops`` a CPOps) TND gives the global stream, gathered."""
     m = module.compress_rate
+    geom = ops.geom
     kv, gate = module.kv_proj(hidden_states), module.gate_proj(hidden_states)
     overlap = _is_csa(module)
     if use_dsa:
-        packed = geom.layout == "TND"
-        pooled, _ = dsa_compressor(geom.flat(kv), geom.flat(gate), module.position_bias.float(), ratio=m,
-                                   overlap=overlap, query_lengths=geom.key_lengths if packed else None,
-                                   layout=geom.layout, backend=backend)
+        pooled = ops.compressor(geom.flat(kv), geom.flat(gate), module.position_bias.float(), m, overlap)
     else:
         if geom.layout != "BSND":
             raise AssertionError("packed calls pool with dsa_compressor")
         pooled = _pool_torch(module, kv, gate, overlap)
     count = pooled.shape[0] if geom.layout == "TND" else pooled.shape[0] * pooled.shape[1]
-    x = module.kv_norm(pooled)
     if geom.layout == "TND":
-        x = x.unsqueeze(0)
-    positions = geom.compressed_positions(m, x.shape[1], x.device)
+        x = norm_rope(module, pooled.unsqueeze(0), ops.compressed_positions(m, pooled.shape[0], pooled.device))
+        return x[0], count, kv, gate
+    return norm_rope(module, pooled, ops.compressed_positions(m, pooled.shape[1], pooled.device)), count, kv, gate
+
+
+def norm_rope(module, pooled: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The model's kv_norm and RoPE of pooled entries [B, n, c] at RoPE positions [B, n]."""
+    x = module.kv_norm(pooled)
     cos, sin = module.rotary_emb(x, position_ids=positions, layer_type=module.rope_layer_type)
-    x = _rope(x.unsqueeze(1), cos, sin).squeeze(1)
-    return (x[0] if geom.layout == "TND" else x), count, kv, gate
+    return _rope(x.unsqueeze(1), cos, sin).squeeze(1)
 
 
 def _fill_cache(cache_layer, name, module, kv, gate, compressed):
@@ -86,14 +88,15 @@ def _fill_cache(cache_layer, name, module, kv, gate, compressed):
     cache_layer.update_compressor_states(name, compressed)
 
 
-def _index_tensors(ix, hidden_states, q_residual, position_ids, geom, opts, with_grad: bool):
-    """The indexer's query, compressed keys and head weights, as the model computes them.
-    With the indexer loss they are rebuilt from detached inputs with grad on: the KL
-    trains the indexer and nothing else."""
+def index_tensors(ix, hidden_states, q_residual, position_ids, compress, with_grad: bool):
+    """The indexer's query, compressed keys and head weights, as the model computes them;
+    ``compress(module, hidden_states)`` pools the keys (single process or CP). With the
+    indexer loss they are rebuilt from detached inputs with grad on: the KL trains the
+    indexer and nothing else."""
     h = hidden_states.detach() if with_grad else hidden_states
     qr = q_residual.detach() if with_grad else q_residual
     with torch.enable_grad() if with_grad else torch.no_grad():
-        keys, count, kv, gate = _compress(ix, h, geom, opts.compressor, opts.backend)
+        keys, count, kv, gate = compress(ix, h)
         b, s = h.shape[:2]
         cos_q, sin_q = ix.rotary_emb(h, position_ids=position_ids, layer_type=ix.rope_layer_type)
         q = ix.q_b_proj(qr).view(b, s, -1, ix.head_dim).transpose(1, 2)
@@ -102,10 +105,9 @@ def _index_tensors(ix, hidden_states, q_residual, position_ids, geom, opts, with
     return q, keys, weights, count, kv, gate
 
 
-def _select(ix, q, keys, weights, geom, opts):
-    return dsa_indexer(geom.flat(q), keys, geom.flat(weights), topk=ix.index_topk, scale=ix.scorer.softmax_scale,
-                       cmp_ratio=ix.compress_rate, query_lengths=geom.query_lengths, key_lengths=geom.key_lengths,
-                       layout=geom.layout, backend=opts.backend)
+def _select(ix, q, keys, weights, ops):
+    return ops.indexer(ops.geom.flat(q), keys, ops.geom.flat(weights), topk=ix.index_topk,
+                       scale=ix.scorer.softmax_scale, cmp_ratio=ix.compress_rate)
 
 
 def _original(self, *args, **kwargs):
@@ -117,20 +119,30 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
     st = self._dsa_state
     opts = st.options
     batch, seq = hidden_states.shape[:2]
-    reason = call_reason(self, kwargs) or cache_layer_reason(past_key_values, self.layer_idx, _ATTENTION_CACHE_LAYERS)
-    geom = None
-    if reason is None:
-        geom = _geometry.cached_analyse(st, attention_mask, position_ids, kwargs, batch, seq, 0, self.sliding_window)
-        if isinstance(geom, str):
-            reason = geom
     comp = self.compressor
-    if reason is None and comp is not None:
-        if geom.layout == "TND" and not (opts.compressor and (opts.li or not _is_csa(comp))):
-            reason = "packed rows on a compressed layer without compressor=True (and li=True on CSA layers)"
-    if reason is not None:
-        st.fallback(reason)
-        return _original(self, hidden_states, position_embeddings, position_ids, attention_mask, past_key_values,
-                         **kwargs)
+    shard = _cp.call_shard(self, st, kwargs, past_key_values, attention_mask, position_ids, batch, seq,
+                           self.sliding_window)
+    if shard is not None:  # context parallel (patch() checked the flags: sas, li, compressor)
+        ops = _cp.CPOps(shard, opts.backend, st.cp_grads_averaged)
+    else:
+        reason = call_reason(self, kwargs) or cache_layer_reason(past_key_values, self.layer_idx,
+                                                                 _ATTENTION_CACHE_LAYERS)
+        geom = None
+        if reason is None:
+            geom = _geometry.cached_analyse(st, attention_mask, position_ids, kwargs, batch, seq, 0,
+                                            self.sliding_window)
+            if isinstance(geom, str):
+                reason = geom
+        if reason is None and comp is not None:
+            if geom.layout == "TND" and not (opts.compressor and (opts.li or not _is_csa(comp))):
+                reason = "packed rows on a compressed layer without compressor=True (and li=True on CSA layers)"
+        if reason is not None:
+            st.fallback(reason)
+            return _original(self, hidden_states, position_embeddings, position_ids, attention_mask,
+                             past_key_values, **kwargs)
+        ops = _ops.Local(geom, opts.backend)
+    geom = ops.geom
+    compress = lambda module, h: _compress(module, h, ops, opts.compressor)  # noqa: E731
 
     cos, sin = position_embeddings[self.rope_layer_type]
     q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
@@ -152,21 +164,21 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
     kl_inputs = None
     if comp is not None:
         csa = _is_csa(comp)
-        entries, count, ckv, cgate = _compress(comp, hidden_states, geom, opts.compressor, opts.backend)
+        entries, count, ckv, cgate = compress(comp, hidden_states)
         if cache_layer is not None and geom.layout == "BSND":
             _fill_cache(cache_layer, "compressor", comp, ckv, cgate, entries)
         if csa:
             ix = comp.indexer
             with_grad = opts.indexer_loss == "sparse" and torch.is_grad_enabled()
             if opts.li or with_grad:
-                iq, ik, iw, icount, ikv, igate = _index_tensors(ix, hidden_states, q_residual, position_ids, geom,
-                                                                opts, with_grad)
+                iq, ik, iw, icount, ikv, igate = index_tensors(ix, hidden_states, q_residual, position_ids,
+                                                               compress, with_grad)
                 kl_inputs = (iq, ik, iw)
             if opts.li:
                 if cache_layer is not None and geom.layout == "BSND":
                     _fill_cache(cache_layer, "indexer", ix, ikv, igate, ik)
                 if icount > 0:
-                    cmp_idx = _select(ix, iq, ik, iw, geom, opts)
+                    cmp_idx = _select(ix, iq, ik, iw, ops)
             else:
                 cmp_idx = ix(hidden_states, q_residual, position_ids, past_key_values, self.layer_idx)
                 cmp_idx = geom.flat(cmp_idx.to(torch.int32)) if cmp_idx.shape[-1] > 0 else None
@@ -174,23 +186,21 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
             cmp_kv, ratio = entries, comp.compress_rate
 
     sinks = self.sinks.float()
-    out, smax, ssum = dsa_sparse_attention(
-        geom.flat(q), geom.flat(kv), None, scale=self.scaling, window=self.sliding_window, cmp_kv=cmp_kv,
-        cmp_indices=cmp_idx if cmp_kv is not None else None, cmp_ratio=ratio,
-        sinks=sinks, query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
-        backend=opts.backend)
+    # The compressed entries are already in the ops' form (gathered under CP); the raw
+    # keys are gathered here, once.
+    out, smax, ssum = ops.attention(
+        geom.flat(q), ops.keys(geom.flat(kv)), None, scale=self.scaling, window=self.sliding_window, cmp_kv=cmp_kv,
+        cmp_indices=cmp_idx if cmp_kv is not None else None, cmp_ratio=ratio, sinks=sinks)
     if kl_inputs is not None and cmp_kv is not None and opts.indexer_loss == "sparse" and torch.is_grad_enabled():
         iq, ik, iw = kl_inputs
-        kl = dsa_kl_loss(geom.flat(q).detach(), cmp_kv.detach(), cmp_idx, smax, ssum, geom.flat(iq), ik,
-                         geom.flat(iw), scale=self.scaling, index_scale=comp.indexer.scorer.softmax_scale,
-                         sinks=sinks.detach(), cmp_ratio=ratio, query_lengths=geom.query_lengths,
-                         key_lengths=geom.key_lengths, layout=geom.layout, loss_coefficient=opts.loss_coefficient,
-                         backend=opts.backend)
+        kl = ops.kl(geom.flat(q).detach(), cmp_kv.detach(), cmp_idx, smax, ssum, geom.flat(iq), ik,
+                    geom.flat(iw), scale=self.scaling, index_scale=comp.indexer.scorer.softmax_scale,
+                    sinks=sinks.detach(), cmp_ratio=ratio, loss_coefficient=opts.loss_coefficient)
         st.indexer_losses[self._dsa_name] = kl.detach()
         out = _loss.attach(out, kl)
     if st.track_recall and cmp_idx is not None and cmp_kv is not None:
-        st.indexer_recall[self._dsa_name] = _metrics.recall_at_k(geom.flat(q), cmp_kv, cmp_idx, self.scaling,
-                                                                 ratio, geom)
+        st.indexer_recall[self._dsa_name] = _metrics.recall_at_k(geom.flat(q), ops.recall_keys(cmp_kv, ratio),
+                                                                 cmp_idx, self.scaling, ratio, geom)
     out = geom.unflat(out)
     out = _rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
     grouped = self.o_a_proj(out.reshape(batch, seq, self.config.o_groups, -1)).flatten(2)
@@ -221,8 +231,8 @@ def compressor_forward(self, hidden_states, q_residual, position_ids, past_key_v
     if reason is not None:
         st.fallback(reason)
         return _original(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx)
-    geom = _row_geometry(hidden_states)
-    entries, count, kv, gate = _compress(self, hidden_states, geom, True, st.options.backend)
+    ops = _ops.Local(_row_geometry(hidden_states), st.options.backend)
+    entries, count, kv, gate = _compress(self, hidden_states, ops, True)
     if past_key_values is not None:
         _fill_cache(past_key_values.layers[layer_idx], "compressor", self, kv, gate, entries)
     compressed_kv = entries.unsqueeze(1)
@@ -252,12 +262,12 @@ def indexer_forward(self, hidden_states, q_residual, position_ids, past_key_valu
     if reason is not None:
         st.fallback(reason)
         return _original(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx)
-    geom = _row_geometry(hidden_states)
-    q, keys, weights, count, kv, gate = _index_tensors(self, hidden_states, q_residual, position_ids, geom, opts,
-                                                       False)
+    ops = _ops.Local(_row_geometry(hidden_states), opts.backend)
+    q, keys, weights, count, kv, gate = index_tensors(self, hidden_states, q_residual, position_ids,
+                                                      lambda module, h: _compress(module, h, ops, True), False)
     if past_key_values is not None:
         _fill_cache(past_key_values.layers[layer_idx], "indexer", self, kv, gate, keys)
     width = min(self.index_topk, keys.shape[1])
     if width == 0:
         return torch.empty((*hidden_states.shape[:2], 0), dtype=torch.long, device=hidden_states.device)
-    return _select(self, q, keys, weights, geom, opts)[..., :width].long()
+    return _select(self, q, keys, weights, ops)[..., :width].long()

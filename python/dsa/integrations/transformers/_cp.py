@@ -1,0 +1,192 @@
+"""Context parallelism for the patched models (``patch(model, cp_group=group)``).
+
+Each rank runs the model on its contiguous run of the packed token stream (TND, one
+row). Everything but attention is token-local (embeddings, norms, MLP/MoE with its
+per-token routing, V4's hyper-connections, the LM head), so it runs unchanged on the
+local rows. The patched attention layers call the ``dsa.cp`` wrappers through
+:class:`CPOps`: key-side tensors are all-gathered once per layer, V4's compressors run
+once per entry with the halo, the KL losses return each rank's share. The parts of a
+call that mix tokens across the sequence are handled here:
+
+- RoPE: the model computes it from ``position_ids``; ``cp_batch`` passes each local
+  row's position in its document (``shard.positions()``), and the compressed entries
+  get their global positions from the shard.
+- The mask: transformers builds it from the local rows; the shard, not the mask,
+  defines what each query sees, so the mask is only checked to be the one the local
+  position ids imply (a caller's own mask is refused).
+- The LM loss: ``cp_batch`` shifts the labels over the rank boundary and passes the
+  global target count, so ``out.loss`` is this rank's share of the global mean.
+- Everything else that would need the whole sequence (a cache, output_attentions,
+  the MoE load-balancing loss, attention dropout) raises :class:`PatchFallbackError`:
+  under CP the model's own forward would attend to local keys only, and a rank that
+  left the collectives would stall the others, so there is no fallback to run.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._checks import call_reason
+from ._geometry import Geometry, _visibility
+from ._state import PatchFallbackError
+
+SHARD_KWARG = "dsa_cp_shard"
+
+
+def _cp():
+    import dsa.cp as cp  # imports torch.distributed: only where CP is used
+    return cp
+
+
+class CPOps:
+    """:class:`._ops.Local`'s interface over the CP group: query-side tensors local,
+    key-side tensors gathered by ``keys`` (once; the indexer, the attention and the KL
+    reuse the gathered tensor)."""
+
+    def __init__(self, shard, backend: str, grads_averaged: bool):
+        self.shard, self.backend, self.grads_averaged = shard, backend, grads_averaged
+        self.geom = shard_geometry(shard)
+
+    def keys(self, t):
+        return None if t is None else _cp().gather(t, self.shard)
+
+    def indexer(self, q, k, w, **kw):
+        return _cp().indexer(q, k, w, shard=self.shard, backend=self.backend, **kw)
+
+    def attention(self, q, kv, indices, **kw):
+        return _cp().sparse_attention(q, kv, indices, shard=self.shard, backend=self.backend, **kw)
+
+    def kl(self, *args, **kw):
+        return _cp().kl_loss(*args, shard=self.shard, grads_averaged_over_cp=self.grads_averaged,
+                             backend=self.backend, **kw)
+
+    def dense_lse(self, *args, **kw):
+        return _cp().dense_indexer_lse(*args, shard=self.shard, backend=self.backend, **kw)
+
+    def dense_kl(self, *args, **kw):
+        return _cp().dense_indexer_kl_loss(*args, shard=self.shard, grads_averaged_over_cp=self.grads_averaged,
+                                           backend=self.backend, **kw)
+
+    def compressor(self, kv, gate, position_bias, ratio: int, overlap: bool):
+        """The GLOBAL pooled stream [S_cmp, c] before kv_norm (owner computes, halo from the
+        ranks before; gathered, differentiable); [0, c] when the global count is 0."""
+        comp = _cp().compressor(kv, gate, position_bias, ratio=ratio, overlap=overlap, shard=self.shard,
+                                backend=self.backend)
+        if comp.compressed is None:
+            width = kv.shape[-1] // 2 if overlap else kv.shape[-1]
+            return kv.new_zeros((0, width))
+        return comp.compressed
+
+    def compressed_positions(self, ratio: int, rows: int, device) -> torch.Tensor:
+        return self.shard.cmp_positions(ratio, device).unsqueeze(0)
+
+    def recall_keys(self, cmp_kv, ratio: int):
+        # recall_at_k reads the prefix this rank's queries see, as the attention does.
+        return cmp_kv[:self.shard.cmp_rows(ratio)]
+
+
+def shard_geometry(shard) -> Geometry:
+    """The local call in Geometry terms (keep-all-documents form: every document, local
+    query segments, prefix key segments); flat/unflat map [1, T_r, ...] <-> [T_r, ...]."""
+    starts = shard.doc_starts
+    return Geometry("TND", 1, shard.local_rows, 0, shard.query_lengths, shard.key_lengths,
+                    [e - s for s, e in zip(starts, shard.doc_ends)])
+
+
+def _local_pieces(shard) -> list:
+    """Lengths of the local runs of each document (the block-diagonal parts of the local mask)."""
+    ends = shard.query_lengths
+    return [b - a for a, b in zip([0] + ends[:-1], ends) if b > a]
+
+
+def call_shard(module, state, kwargs, past_key_values, attention_mask, position_ids, batch, seq, window):
+    """The call's shard under CP (None without CP). Raises where the call cannot run exactly
+    under CP, on the first layer that sees it."""
+    shard = kwargs.get(SHARD_KWARG)
+    group = state.cp_group
+    if group is None:
+        if shard is not None:
+            raise ValueError(f"{SHARD_KWARG}: this model was patched without cp_group; "
+                             "patch(model, cp_group=group) to run it context parallel")
+        return None
+    if shard is None:
+        raise ValueError(f"{SHARD_KWARG}: the model is patched with a CP group, so every call needs its shard: "
+                         "model(**cp_batch(model, local_input_ids, doc_ends))")
+    from dsa.cp import TNDShard
+    if not isinstance(shard, TNDShard) or shard.group is not group:
+        raise ValueError(f"{SHARD_KWARG}: expected the TNDShard of cp_batch(model, ...) on the patch's cp_group")
+    reason = call_reason(module, kwargs)
+    if reason is None and past_key_values is not None:
+        reason = "a cache (pass use_cache=False: cp_batch does)"
+    if reason is None and kwargs.get("output_router_logits"):
+        reason = "output_router_logits (the MoE load-balancing loss is a product of whole-sequence means)"
+    if reason is None and (batch != 1 or seq != shard.local_rows):
+        reason = f"input of shape [{batch}, {seq}]; the shard holds one row of {shard.local_rows} tokens"
+    if reason is None and position_ids is not None:
+        expect = shard.positions(position_ids.device).unsqueeze(0)
+        if position_ids.shape != expect.shape or not torch.equal(position_ids, expect.to(position_ids.dtype)):
+            reason = "position_ids other than the shard's document positions (pass cp_batch's)"
+    if reason is None:
+        reason = _mask_reason(state, attention_mask, shard, window)
+    if reason is not None:
+        raise PatchFallbackError(f"dsa patch under context parallelism cannot run a call with {reason}; "
+                                 "the model's own forward would attend to this rank's keys only, so there is "
+                                 "no fallback under CP")
+    return shard
+
+
+def _mask_reason(state, mask, shard, window):
+    """The mask transformers builds from cp_batch's inputs is causal (and windowed) within
+    each local piece of a document; anything else came from the caller and would be
+    ignored, so it is refused. Checked once per mask object (every layer shares it)."""
+    if mask is None:
+        return None  # implementations that build no mask: the shard alone defines visibility
+    cached = state.cp_mask_checked
+    if cached is not None and cached[0]() is mask and cached[1] == window:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (shard.local_rows,) * 2:
+        return "an attention mask of unexpected shape or type"
+    m = mask[:, 0]
+    allowed = m if m.dtype == torch.bool else m == 0
+    expected = _visibility(1, shard.local_rows, shard.local_rows, 0, window, [_local_pieces(shard)], m.device)
+    if not torch.equal(allowed.expand_as(expected), expected):
+        return "a caller's attention mask (under CP the shard defines visibility; pass no attention_mask)"
+    import weakref
+    state.cp_mask_checked = (weakref.ref(mask), window)
+    return None
+
+
+def cp_batch(state, input_ids, doc_ends, labels=None, ignore_index: int = -100) -> dict:
+    """See ``dsa.integrations.transformers.cp_batch``."""
+    cp = _cp()
+    group = state.cp_group
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2) or (
+            input_ids.dim() == 2 and input_ids.shape[0] != 1):
+        raise ValueError(f"input_ids: expected this rank's run as [T_r] or [1, T_r], got "
+                         f"{list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}")
+    ids = input_ids.reshape(-1)
+    if labels is None:
+        labels = ids
+    elif not isinstance(labels, torch.Tensor) or labels.numel() != ids.numel():
+        raise ValueError(f"labels: expected this rank's run of labels, {ids.numel()} of them")
+    labels = labels.reshape(-1)
+    shard = cp.tnd_shard(doc_ends, ids.numel(), group=group)
+    if 0 in shard.local_counts:
+        raise ValueError(f"input_ids: rank(s) {[q for q, n in enumerate(shard.local_counts) if n == 0]} hold no "
+                         "token; under CP every rank needs at least one row of the packed stream")
+    # The model shifts labels inside its call; the target of the last local row is the
+    # first label of the next rank's run, so shift over the whole stream here (as
+    # transformers shifts a single-process packed row) and pass the result as shift_labels.
+    firsts = cp.all_gather_rows(labels[:1].detach(), [1] * shard.world_size, shard.rank, group, 0)
+    nxt = firsts[shard.rank + 1:shard.rank + 2] if shard.rank + 1 < shard.world_size else labels.new_full(
+        (1,), ignore_index)
+    shift = torch.cat([labels[1:], nxt])
+    from dsa.cp.comm import all_reduce_count
+    n = all_reduce_count(int((shift != ignore_index).sum()), group)
+    # transformers divides the summed loss by num_items_in_batch: the global target count
+    # makes out.loss this rank's share of the single-process mean. A framework that
+    # averages gradients over the CP ranks wants W times that.
+    items = (n / shard.world_size if state.cp_grads_averaged else n) if n else 1
+    return {"input_ids": ids.unsqueeze(0), "position_ids": shard.positions(ids.device).unsqueeze(0),
+            "labels": labels.unsqueeze(0), "shift_labels": shift.unsqueeze(0),
+            "num_items_in_batch": torch.tensor(float(items)), "use_cache": False,
+            SHARD_KWARG: shard}

@@ -1,0 +1,51 @@
+"""The op calls of a patched attention layer, single process or context parallel.
+
+The layer code (``_v32.py``, ``_v4.py``) is written once against this interface:
+``keys`` turns a key-side tensor (flat, this call's rows) into what the ops read,
+and every op call gets its lengths from here. :class:`Local` runs the ops on the
+call's own rows with the geometry's lengths; ``_cp.CPOps`` gathers the key side over
+the CP group and calls the ``dsa.cp`` wrappers with the shard."""
+from __future__ import annotations
+
+from ... import (dsa_compressor, dsa_dense_indexer_kl_loss, dsa_dense_indexer_lse, dsa_indexer, dsa_kl_loss,
+                 dsa_sparse_attention)
+
+
+class Local:
+    def __init__(self, geom, backend: str):
+        self.geom, self.backend = geom, backend
+        self._lengths = dict(query_lengths=geom.query_lengths, key_lengths=geom.key_lengths, layout=geom.layout,
+                             backend=backend)
+
+    def keys(self, t):
+        return t
+
+    def indexer(self, q, k, w, **kw):
+        return dsa_indexer(q, k, w, **kw, **self._lengths)
+
+    def attention(self, q, kv, indices, **kw):
+        return dsa_sparse_attention(q, kv, indices, **kw, **self._lengths)
+
+    def kl(self, *args, **kw):
+        return dsa_kl_loss(*args, **kw, **self._lengths)
+
+    def dense_lse(self, *args, **kw):
+        return dsa_dense_indexer_lse(*args, **kw, **self._lengths)
+
+    def dense_kl(self, *args, **kw):
+        return dsa_dense_indexer_kl_loss(*args, **kw, **self._lengths)
+
+    def compressor(self, kv, gate, position_bias, ratio: int, overlap: bool):
+        """Pooled entries before kv_norm: TND [S_cmp, c] (documents back to back), BSND
+        [B, S // m, c]."""
+        packed = self.geom.layout == "TND"
+        pooled, _ = dsa_compressor(kv, gate, position_bias, ratio=ratio, overlap=overlap,
+                                   query_lengths=self.geom.key_lengths if packed else None, layout=self.geom.layout,
+                                   backend=self.backend)
+        return pooled
+
+    def compressed_positions(self, ratio: int, rows: int, device):
+        return self.geom.compressed_positions(ratio, rows, device)
+
+    def recall_keys(self, cmp_kv, ratio: int):
+        return cmp_kv
