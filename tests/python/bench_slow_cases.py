@@ -3,8 +3,8 @@
 "test/slow/bf16": its naive peer takes five minutes on bf16 inputs, as torch's
 emulated bf16 does on AVX2-only CPUs, and is fast on fp32 ones; the harness must
 kill the bf16 run at its budget instead of waiting, and use the fp32 peer where
-it runs one. "test/slowish/fp32": a naive call of 10 s, so that with a 22 s budget
-the warm-up fits (child start-up under 11 s, even on a loaded machine) and no timed
+it runs one. "test/slowish/fp32": a naive call of 6 s, so that with a 14 s budget
+the warm-up fits (child start-up under 7.5 s, even on a loaded machine) and no timed
 run does after it (any start-up): the warm-up is reported. "test/single/fp32": a
 single-run (long-context) case whose call touches 64 MiB and notes each call in
 the file $DSA_TEST_CALLS, so a test can count the calls the harness made.
@@ -19,7 +19,7 @@ import torch
 from dsa.bench.case import FUSED, NAIVE, Case
 
 SLOW_S = 300.0
-SLOWISH_S = 10.0
+SLOWISH_S = 6.0
 
 
 def _setup():

@@ -356,6 +356,7 @@ def _reset_peak_rss() -> bool:
 
 MAX_LAYERS = 256
 MAX_PROBES = 12
+NOISE_GIB = 16 / 1024  # peak RSS of equal probes differs by a few MiB
 
 
 def search_layers(spec: RunSpec, budget_gib: float, log=lambda msg: None) -> dict:
@@ -394,8 +395,12 @@ def search_layers(spec: RunSpec, budget_gib: float, log=lambda msg: None) -> dic
 
     measure(1)
     measure(2)
-    if len(measured) == 2 and measured[1] <= budget_gib:
-        per_layer = max(measured[2] - measured[1], 1e-4)
+    # Extrapolate only from a growth above the probes' noise (RSS moves by a few MiB
+    # between equal runs): a tiny model's 1- and 2-layer peaks can come out in either
+    # order, and a guess from that difference sent the search to MAX_LAYERS. Without
+    # one, the loop below doubles the layer count until a probe is over the budget.
+    if len(measured) == 2 and measured[1] <= budget_gib and measured[2] - measured[1] > NOISE_GIB:
+        per_layer = measured[2] - measured[1]
         guess = int((budget_gib - measured[1]) / per_layer) + 1
         for c in (guess, guess + 1, guess - 1):
             measure(min(MAX_LAYERS, max(1, c)))
