@@ -2,6 +2,7 @@
 #include "ops/compressor.h"
 
 #include "core/sequences.h"
+#include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
 #include "dsa/compressor.h"
@@ -135,8 +136,10 @@ void run_fwd(const TensorView& kv, const TensorView& gate, const TensorView& pos
     p.stats = stats->ptr<float>();
   }
   p.compressed = compressed.data;
-  if (backend == Backend::reference) reference::compressor_fwd(p);
-  else cpu::compressor_fwd(p);
+  core::run_kernel("compressor_fwd", [&] {
+    if (backend == Backend::reference) reference::compressor_fwd(p);
+    else cpu::compressor_fwd(p);
+  });
 }
 
 void run_bwd(const TensorView& grad_compressed, const TensorView& kv, const TensorView& gate,
@@ -169,8 +172,10 @@ void run_bwd(const TensorView& grad_compressed, const TensorView& kv, const Tens
     require_output(*stats, "stats", DType::f32, stats_shape(kv, p, tnd), stats_shape_name(tnd));
     p.stats = const_cast<float*>(stats->ptr<const float>());  // read only by the backward
   }
-  if (backend == Backend::reference) reference::compressor_bwd(p);
-  else cpu::compressor_bwd(p);
+  core::run_kernel("compressor_bwd", [&] {
+    if (backend == Backend::reference) reference::compressor_bwd(p);
+    else cpu::compressor_bwd(p);
+  });
 }
 
 }  // namespace

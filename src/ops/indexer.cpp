@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
 #include "dsa/indexer.h"
@@ -95,8 +96,10 @@ void indexer_topk(const TensorView& index_query, const TensorView& index_key,
   p.ratio = params.cmp_ratio;
   p.num_threads = resolve_num_threads(params.num_threads);
 
-  if (backend == Backend::reference) reference::indexer_topk(p);
-  else cpu::indexer_topk(p);
+  core::run_kernel("indexer_topk", [&] {
+    if (backend == Backend::reference) reference::indexer_topk(p);
+    else cpu::indexer_topk(p);
+  });
 }
 
 }  // namespace dsa

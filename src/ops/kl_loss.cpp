@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
 #include "ops/indexer.h"
@@ -196,8 +197,10 @@ void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView
   p.reduction = params.reduction;
   p.loss = loss.ptr<float>();
   p.score_grad = score_grad.present() ? score_grad.ptr<float>() : nullptr;
-  if (backend == Backend::reference) reference::kl_loss_fwd(p);
-  else cpu::kl_loss_fwd(p);
+  core::run_kernel("kl_loss_fwd", [&] {
+    if (backend == Backend::reference) reference::kl_loss_fwd(p);
+    else cpu::kl_loss_fwd(p);
+  });
 }
 
 void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
@@ -225,8 +228,10 @@ void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
   p.d_index_query = d_index_query.data;
   p.d_index_key = d_index_key.data;
   p.d_weights = d_weights.data;
-  if (backend == Backend::reference) reference::kl_loss_bwd(p);
-  else cpu::kl_loss_bwd(p);
+  core::run_kernel("kl_loss_bwd", [&] {
+    if (backend == Backend::reference) reference::kl_loss_bwd(p);
+    else cpu::kl_loss_bwd(p);
+  });
 }
 
 }  // namespace dsa

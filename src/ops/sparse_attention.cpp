@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
 #include "dsa/sparse_attention.h"
@@ -173,11 +174,13 @@ void check_output(const TensorView& t, const char* name, DType dtype, const Tens
 }
 
 void dispatch(Backend backend, const TensorView& query, bool forward, const SparseAttentionProblem& p) {
-  if (backend == Backend::reference) {
-    forward ? reference::sparse_attention_fwd(p) : reference::sparse_attention_bwd(p);
-  } else {
-    forward ? cpu::sparse_attention_fwd(p) : cpu::sparse_attention_bwd(p);
-  }
+  core::run_kernel(forward ? "sparse_attention_fwd" : "sparse_attention_bwd", [&] {
+    if (backend == Backend::reference) {
+      forward ? reference::sparse_attention_fwd(p) : reference::sparse_attention_bwd(p);
+    } else {
+      forward ? cpu::sparse_attention_fwd(p) : cpu::sparse_attention_bwd(p);
+    }
+  });
 }
 
 }  // namespace

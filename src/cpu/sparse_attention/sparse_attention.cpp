@@ -148,7 +148,7 @@ QueryRow query_row(const SparseAttentionProblem& p, std::int64_t row) {
 }
 
 struct Scratch {
-  std::vector<std::uint8_t> bytes;
+  core::ScratchVector<std::uint8_t> bytes;  // through dsa's allocator: a failure names its size
   RowPointers ptrs;
   void* aligned() {
     return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(bytes.data()) + 63) & ~std::uintptr_t(63));
@@ -304,8 +304,8 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   if (p.d_sinks) std::fill(p.d_sinks, p.d_sinks + H, 0.0f);
 
   // Phase 1: per-row softmax constants, dsink terms and dq.
-  std::vector<float> coef(p.plan.q_rows * H, 0.0f), delta(p.plan.q_rows * H, 0.0f);
-  std::vector<float> sink_terms(p.sinks ? p.plan.q_rows * H : 0, 0.0f);
+  core::ScratchVector<float> coef(p.plan.q_rows * H, 0.0f), delta(p.plan.q_rows * H, 0.0f);
+  core::ScratchVector<float> sink_terms(p.sinks ? p.plan.q_rows * H : 0, 0.0f);
   const std::vector<RowTask> tasks = row_tasks(p);
   const int threads = std::max(1, p.num_threads);
   // Per-row operands the kernel packs in phase 1 and reuses in phase 2 (AMX: the
