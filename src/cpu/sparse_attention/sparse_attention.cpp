@@ -176,7 +176,9 @@ struct OwnerBlock {
 // pairs in ascending row order, then index slot order (a counting sort).
 struct InvertedIndex {
   std::vector<std::int64_t> start;  // [blocks + 1]
-  std::vector<std::int32_t> rows;
+  // Global query rows: 64-bit, as a packed batch may hold more than 2^31 rows
+  // in all (int32 had been enough only for one sequence's local positions).
+  std::vector<std::int64_t> rows;
   std::vector<std::uint8_t> offsets;
 };
 
@@ -210,7 +212,7 @@ InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std
   std::vector<std::int64_t> fill(inv.start.begin(), inv.start.end() - 1);
   for_each_valid([&](std::int64_t block, std::int64_t row, std::int64_t offset) {
     const std::int64_t at = fill[block]++;
-    inv.rows[at] = static_cast<std::int32_t>(row);
+    inv.rows[at] = row;
     inv.offsets[at] = static_cast<std::uint8_t>(offset);
   });
   return inv;
