@@ -1,10 +1,13 @@
 #include "core/memory.h"
 
+#include <pthread.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <iomanip>
 #include <mutex>
 #include <new>
+#include <sstream>
 #include <vector>
 
 #include "core/validate.h"
@@ -83,12 +86,35 @@ std::size_t initial_limit() {
 // Idle buffers, oldest first. Taking one picks the smallest that fits and is
 // at most twice the request: a small call must not hold a large buffer that a
 // large call running beside it would then allocate a second time.
+class WorkspaceCache;
+// The process's cache. A child made by fork() may inherit its mutex locked by a
+// parent thread that does not exist there (an op running beside the fork), and
+// then hangs in its first call: the child starts a fresh cache with the same
+// limit; the old one (idle copy-on-write pages) is left behind.
+std::atomic<WorkspaceCache*> g_cache{nullptr};
+void start_fresh_cache_in_fork_child();
+
 class WorkspaceCache {
  public:
+  explicit WorkspaceCache(std::size_t limit) : limit_(limit) {}
+
   static WorkspaceCache& instance() {
-    static WorkspaceCache* cache = new WorkspaceCache();  // never destroyed: used until exit
+    static const bool fork_handler = [] {
+      pthread_atfork(nullptr, nullptr, start_fresh_cache_in_fork_child);
+      return true;
+    }();
+    (void)fork_handler;
+    WorkspaceCache* cache = g_cache.load(std::memory_order_acquire);
+    if (!cache) {
+      auto* fresh = new WorkspaceCache(initial_limit());  // never destroyed: used until exit
+      if (g_cache.compare_exchange_strong(cache, fresh)) cache = fresh;
+      else delete fresh;
+    }
     return *cache;
   }
+
+  // Only where no other thread can run: in a fork child.
+  std::size_t limit_unlocked() const { return limit_; }
 
   // A cached buffer of at least `bytes` (its capacity in *capacity), or null.
   std::uint8_t* take(std::size_t bytes, std::size_t* capacity) {
@@ -159,8 +185,13 @@ class WorkspaceCache {
   std::mutex mutex_;
   std::vector<Block> idle_;
   std::size_t held_ = 0;
-  std::size_t limit_ = initial_limit();
+  std::size_t limit_;
 };
+
+void start_fresh_cache_in_fork_child() {
+  // The child has one thread: nothing can race these loads and stores.
+  if (WorkspaceCache* old = g_cache.load()) g_cache.store(new WorkspaceCache(old->limit_unlocked()));
+}
 
 }  // namespace
 

@@ -153,7 +153,8 @@ def _result_of(child, queue, what: str):
 
 def _fork_child(queue, inputs, threads):
     torch.set_num_threads(threads)
-    queue.put(_raw_bytes(dsa_only(inputs)))
+    # The child's fresh workspace cache (see src/core/memory.cpp) keeps the parent's limit.
+    queue.put((_raw_bytes(dsa_only(inputs)), _C.workspace_cache_limit()))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -162,7 +163,9 @@ def test_fork_child_after_parent_ran_ops(runtime, threads):
     """fork() copies only the calling thread: the parent's pool workers or OpenMP
     team do not exist in the child. A region there used to wait for them forever."""
     _use_runtime(runtime)
+    cache_limit = _C.workspace_cache_limit()
     try:
+        _C.set_workspace_cache_limit(123 << 20)
         torch.set_num_threads(2)
         inputs = fork_inputs()
         expected = dsa_only(inputs)  # the parent's threads are up
@@ -170,10 +173,12 @@ def test_fork_child_after_parent_ran_ops(runtime, threads):
         queue = ctx.Queue()
         child = ctx.Process(target=_fork_child, args=(queue, inputs, threads))
         child.start()
-        got = _result_of(child, queue, f"fork child ({runtime}, {threads} threads)")
+        got, child_cache_limit = _result_of(child, queue, f"fork child ({runtime}, {threads} threads)")
         assert got == _raw_bytes(expected)
+        assert child_cache_limit == 123 << 20
         assert_same(dsa_only(inputs), expected)  # and the parent still works
     finally:
+        _C.set_workspace_cache_limit(cache_limit)
         torch.set_num_threads(2)
         _restore_runtime()
 
