@@ -65,4 +65,16 @@ std::size_t workspace_cache_bytes();
 // Frees every idle cached buffer.
 void release_workspace_cache();
 
+// When a kernel's scratch or workspace cannot be allocated, dsa frees the idle
+// cached buffers and tries once more; if that fails too the call throws
+// dsa::Error of kind out_of_memory naming the op and the bytes, and the process
+// goes on. For testing that path: caps the bytes dsa's own allocator (kernel
+// scratch and workspaces, cached ones included) may hold from the system at
+// once, as a memory limit would; a request over it fails as if the system had
+// refused it. 0 (the default) removes the cap.
+void set_scratch_memory_limit(std::size_t bytes);
+std::size_t scratch_memory_limit();
+// Bytes dsa's allocator holds from the system now (in use and cached).
+std::size_t scratch_memory_bytes();
+
 }  // namespace dsa

@@ -11,6 +11,7 @@ enum class ErrorKind : int {
   invalid_argument,  // the caller's inputs break the contract (shape, dtype, lengths, ...)
   unsupported,       // valid inputs that the chosen backend cannot run
   internal,          // a bug in dsa
+  out_of_memory,     // scratch or a workspace could not be allocated (the message names op and bytes)
 };
 
 class Error : public std::runtime_error {

@@ -37,6 +37,10 @@ struct TensorView {
     return n;
   }
   bool is_contiguous() const {
+    // As in torch, an empty tensor is contiguous whatever its strides: it has no
+    // element to misplace (a property test found BSND outputs with Sq = 0, whose
+    // torch strides fail the walk below, rejected).
+    if (numel() == 0) return true;
     std::int64_t expected = 1;
     for (int d = ndim - 1; d >= 0; --d) {
       if (shape[d] != 1 && strides[d] != expected) return false;

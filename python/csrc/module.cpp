@@ -58,6 +58,10 @@ void register_core(nb::module_& m) {
   m.def("workspace_cache_limit", &dsa::workspace_cache_limit);
   m.def("workspace_cache_bytes", &dsa::workspace_cache_bytes);
   m.def("release_workspace_cache", &dsa::release_workspace_cache);
+  // The allocation-failure test hook (dsa/backend.h): a cap on dsa's own allocator.
+  m.def("set_scratch_memory_limit", [](std::size_t bytes) { dsa::set_scratch_memory_limit(bytes); });
+  m.def("scratch_memory_limit", &dsa::scratch_memory_limit);
+  m.def("scratch_memory_bytes", &dsa::scratch_memory_bytes);
   // dsa's own arithmetic peaks (include/dsa/peak.h), for the benchmark's ceilings.
   m.def("peak_kernels", [] {
     nb::list out;

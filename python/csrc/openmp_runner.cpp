@@ -10,6 +10,7 @@
 // loaded libraries, not linked: the extension must not bring a second one.
 #include <dlfcn.h>
 #include <link.h>
+#include <pthread.h>
 
 #include <atomic>
 #include <cstring>
@@ -26,6 +27,10 @@ using GompParallel = void (*)(void (*)(void*), void*, unsigned, unsigned);
 using OmpThreadNum = int (*)();
 
 GompParallel g_parallel = nullptr;
+// Set in a child made by fork(): the OpenMP runtime's team exists only in the
+// parent (libgomp then hangs in the child's first parallel region; torch's own
+// ops hang there too), so the child runs dsa's regions on dsa's pool.
+std::atomic<bool> g_forked{false};
 OmpThreadNum g_thread_num = nullptr;
 std::string g_runtime;
 
@@ -85,10 +90,18 @@ int find_runtime(dl_phdr_info* info, size_t, void*) {
 void register_openmp_runner(nb::module_& m) {
   // Returns the runtime's path, or "" when none is loaded (dsa keeps its pool).
   m.def("use_openmp_threads", [](bool enable) -> std::string {
-    if (!enable) {
+    if (!enable || g_forked.load()) {
       set_parallel_runner(nullptr);
       return "";
     }
+    static const bool fork_handler = [] {
+      pthread_atfork(nullptr, nullptr, [] {
+        g_forked.store(true);
+        set_parallel_runner(nullptr);
+      });
+      return true;
+    }();
+    (void)fork_handler;
     if (!g_parallel) dl_iterate_phdr(find_runtime, nullptr);
     set_parallel_runner(g_parallel ? openmp_runner : nullptr);
     return g_runtime;

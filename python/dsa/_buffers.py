@@ -20,6 +20,7 @@ The limit is ``DSA_BUFFER_POOL_MIB`` (default 512; 0 turns the pool off), or
 """
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -62,10 +63,7 @@ def _claim(nbytes: int):
     return block
 
 
-def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised contiguous tensor, from the pool when it is a large CPU one."""
-    numel = math.prod(shape)
-    nbytes = numel * dtype.itemsize
+def _empty(shape, dtype: torch.dtype, device: torch.device, numel: int, nbytes: int) -> torch.Tensor:
     if torch.device(device).type != "cpu" or nbytes < MIN_BYTES or _limit == 0:
         return torch.empty(shape, dtype=dtype, device=device)
     with _lock:
@@ -73,6 +71,41 @@ def empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if block is None:
             return torch.empty(shape, dtype=dtype, device=device)
         return torch.frombuffer(block, dtype=dtype, count=numel).view(shape)
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """torch's CPU allocator reports failure as a RuntimeError ("can't allocate
+    memory"), mmap as OSError ENOMEM; anything else is not ours to translate."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    if isinstance(error, OSError):
+        return error.errno == errno.ENOMEM
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text)
+
+
+def empty(shape, dtype: torch.dtype, device: torch.device, *, op: str = "dsa") -> torch.Tensor:
+    """An uninitialised contiguous output of ``op``, from the pool when it is a large
+    CPU one. When memory runs out, the pool's free blocks and the core's cached
+    workspaces are released (they may be exactly what is missing) and the
+    allocation is tried once more; then a RuntimeError names ``op`` and the bytes."""
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    try:
+        return _empty(shape, dtype, device, numel, nbytes)
+    except (RuntimeError, MemoryError, OSError) as error:
+        if not _out_of_memory(error):
+            raise
+    empty_buffer_pool()
+    try:
+        return _empty(shape, dtype, device, numel, nbytes)
+    except (RuntimeError, MemoryError, OSError) as error:
+        if not _out_of_memory(error):
+            raise
+        raise RuntimeError(
+            f"{op}: out of memory: could not allocate {nbytes} bytes ({nbytes / 2**20:.1f} MiB) for an "
+            f"output of shape {list(shape)} ({dtype}), even after emptying dsa's buffer pool and "
+            f"workspace cache") from error
 
 
 def set_buffer_pool_limit(mib: int) -> None:

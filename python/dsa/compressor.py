@@ -42,8 +42,8 @@ def _compressor_op(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Te
         # Bad lengths are the kernel's to report; any row count lets it run.
         compressed_rows = sum(_entry_counts(lengths_from_cu_seqlens(cu_seqlens or [0, kv.shape[0]]), max(ratio, 1)))
     shape = _compressed_shape(kv, ratio, overlap, compressed_rows, layout)
-    out = _buffers.empty(shape, kv.dtype, kv.device)
-    stats = _buffers.empty(_stats_shape(shape, save_stats), torch.float32, kv.device)
+    out = _buffers.empty(shape, kv.dtype, kv.device, op="dsa_compressor")
+    stats = _buffers.empty(_stats_shape(shape, save_stats), torch.float32, kv.device, op="dsa_compressor")
     _C.compressor_fwd(kv, gate, position_bias, out, ratio, overlap, cu_seqlens, layout, backend, num_threads(),
                       stats if save_stats else None)
     return out, stats
@@ -63,8 +63,8 @@ def _compressor_backward_op(grad_compressed: torch.Tensor, kv: torch.Tensor, gat
                             query_lengths: Optional[torch.Tensor], layout: str,
                             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Large, and written in full every call: from the buffer pool (see _buffers).
-    grad_kv = _buffers.empty(kv.shape, kv.dtype, kv.device)
-    grad_gate = _buffers.empty(kv.shape, kv.dtype, kv.device)
+    grad_kv = _buffers.empty(kv.shape, kv.dtype, kv.device, op="dsa_compressor")
+    grad_gate = _buffers.empty(kv.shape, kv.dtype, kv.device, op="dsa_compressor")
     grad_bias = torch.empty(position_bias.shape, dtype=torch.float32, device=position_bias.device)
     _C.compressor_bwd(grad_compressed, kv, gate, position_bias, grad_kv, grad_gate, grad_bias, ratio,
                       overlap, to_cu_seqlens(query_lengths, layout), layout, backend, num_threads(),

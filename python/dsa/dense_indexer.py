@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from . import _C
+from . import _C, _buffers
 from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
 from .kl_loss import check_reduction, squeeze_head
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
@@ -16,7 +16,7 @@ from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 def _dense_lse_op(index_query: torch.Tensor, index_key: torch.Tensor, head_weights: torch.Tensor, scale: float,
                   cmp_ratio: int, query_lengths: Optional[torch.Tensor], key_lengths: Optional[torch.Tensor],
                   layout: str, backend: str) -> torch.Tensor:
-    lse = torch.empty(index_query.shape[:-2], dtype=torch.float32, device=index_query.device)
+    lse = _buffers.empty(index_query.shape[:-2], torch.float32, index_query.device, op="dsa_dense_indexer_lse")
     _C.dense_indexer_lse(index_query, index_key, head_weights, lse, scale, cmp_ratio,
                          to_cu_seqlens(query_lengths, layout), to_cu_seqlens(key_lengths, layout), layout,
                          backend, num_threads())
@@ -76,9 +76,9 @@ def _dense_kl_backward_op(index_query: torch.Tensor, index_key: torch.Tensor, he
                           index_scale: float, query_lengths: Optional[torch.Tensor],
                           key_lengths: Optional[torch.Tensor], layout: str, loss_coefficient: float,
                           reduction: str, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d_query = torch.empty(index_query.shape, dtype=index_query.dtype, device=index_query.device)
-    d_key = torch.empty(index_key.shape, dtype=index_key.dtype, device=index_key.device)
-    d_weights = torch.empty(head_weights.shape, dtype=head_weights.dtype, device=head_weights.device)
+    d_query = _buffers.empty(index_query.shape, index_query.dtype, index_query.device, op="dsa_dense_indexer_kl_loss")
+    d_key = _buffers.empty(index_key.shape, index_key.dtype, index_key.device, op="dsa_dense_indexer_kl_loss")
+    d_weights = _buffers.empty(head_weights.shape, head_weights.dtype, head_weights.device, op="dsa_dense_indexer_kl_loss")
     _C.dense_indexer_kl_loss_bwd(index_query, index_key, head_weights, query, key, softmax_max, softmax_sum,
                                  indexer_lse, query_rope, key_rope, float(grad_loss.item()), d_query, d_key,
                                  d_weights, scale, index_scale, to_cu_seqlens(query_lengths, layout),

@@ -17,8 +17,8 @@ def _indexer_op(index_query: torch.Tensor, index_key: torch.Tensor, weights: tor
                 backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     lead = index_query.shape[:-2]
     # Large and written in full every call: from the buffer pool (see _buffers).
-    indices = _buffers.empty((*lead, topk), torch.int32, index_query.device)
-    scores = (_buffers.empty((*lead, topk), torch.float32, index_query.device)
+    indices = _buffers.empty((*lead, topk), torch.int32, index_query.device, op="dsa_indexer")
+    scores = (_buffers.empty((*lead, topk), torch.float32, index_query.device, op="dsa_indexer")
               if with_scores else torch.empty(0, dtype=torch.float32, device=index_query.device))
     _C.indexer_topk(index_query, index_key, weights, indices, scores if with_scores else None,
                     topk, scale, cmp_ratio, to_cu_seqlens(query_lengths, layout),

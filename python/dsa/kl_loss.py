@@ -5,7 +5,7 @@ from typing import Optional
 
 import torch
 
-from . import _C
+from . import _C, _buffers
 from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 
@@ -35,7 +35,7 @@ def _kl_loss_op(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, so
                 query_lengths: Optional[torch.Tensor], key_lengths: Optional[torch.Tensor], layout: str,
                 loss_coefficient: float, reduction: str, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     loss = torch.empty((), dtype=torch.float32, device=query.device)
-    score_grad = torch.empty(indices.shape, dtype=torch.float32, device=query.device)
+    score_grad = _buffers.empty(indices.shape, torch.float32, query.device, op="dsa_kl_loss")
     _C.kl_loss_fwd(query, kv, indices, softmax_max, softmax_sum, index_query, index_key, weights, sinks,
                    query_rope, key_rope, loss, score_grad, scale, index_scale, cmp_ratio,
                    to_cu_seqlens(query_lengths, layout), to_cu_seqlens(key_lengths, layout), layout,
@@ -57,9 +57,9 @@ def _kl_loss_backward_op(indices: torch.Tensor, index_query: torch.Tensor, index
                          index_scale: float, cmp_ratio: int, query_lengths: Optional[torch.Tensor],
                          key_lengths: Optional[torch.Tensor], layout: str,
                          backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    d_query = torch.empty(index_query.shape, dtype=index_query.dtype, device=index_query.device)
-    d_key = torch.empty(index_key.shape, dtype=index_key.dtype, device=index_key.device)
-    d_weights = torch.empty(weights.shape, dtype=weights.dtype, device=weights.device)
+    d_query = _buffers.empty(index_query.shape, index_query.dtype, index_query.device, op="dsa_kl_loss")
+    d_key = _buffers.empty(index_key.shape, index_key.dtype, index_key.device, op="dsa_kl_loss")
+    d_weights = _buffers.empty(weights.shape, weights.dtype, weights.device, op="dsa_kl_loss")
     _C.kl_loss_bwd(indices, index_query, index_key, weights, score_grad, float(grad_loss.item()), d_query,
                    d_key, d_weights, index_scale, cmp_ratio, to_cu_seqlens(query_lengths, layout),
                    to_cu_seqlens(key_lengths, layout), layout, backend, num_threads())

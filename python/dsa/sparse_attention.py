@@ -11,6 +11,9 @@ from ._common import check_backend, check_int, check_layout, check_tensor, num_t
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 
 
+_OP = "dsa_sparse_attention"  # the op named by allocation errors
+
+
 def _contiguous(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.contiguous()
 
@@ -29,9 +32,9 @@ def _fwd_op(query: torch.Tensor, kv: torch.Tensor, indices: Optional[torch.Tenso
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lead = query.shape[:-1]
     # Large and written in full every call: from the buffer pool (see _buffers).
-    out = _buffers.empty((*lead, _value_dims(kv, d_v)), query.dtype, query.device)
-    softmax_max = query.new_empty(lead, dtype=torch.float32)
-    softmax_sum = query.new_empty(lead, dtype=torch.float32)
+    out = _buffers.empty((*lead, _value_dims(kv, d_v)), query.dtype, query.device, op=_OP)
+    softmax_max = _buffers.empty(lead, torch.float32, query.device, op=_OP)
+    softmax_sum = _buffers.empty(lead, torch.float32, query.device, op=_OP)
     _C.sparse_attention_fwd(
         query.contiguous(), kv.contiguous(), _contiguous(indices), _contiguous(cmp_kv),
         _contiguous(cmp_indices), _contiguous(sinks), _contiguous(query_rope), _contiguous(key_rope),
@@ -66,12 +69,12 @@ def _bwd_op(grad_out: torch.Tensor, out: torch.Tensor, softmax_max: torch.Tensor
     """Returns (d_query, d_kv, d_cmp_kv, d_sinks, d_query_rope, d_key_rope); absent inputs
     get empty tensors (custom ops cannot return None)."""
     # The large gradients come from the buffer pool (see _buffers).
-    d_query = _buffers.empty(query.shape, query.dtype, query.device)
-    d_kv = _buffers.empty(kv.shape, kv.dtype, kv.device)
-    d_cmp = _buffers.empty(cmp_kv.shape, cmp_kv.dtype, cmp_kv.device) if cmp_kv is not None else None
+    d_query = _buffers.empty(query.shape, query.dtype, query.device, op=_OP)
+    d_kv = _buffers.empty(kv.shape, kv.dtype, kv.device, op=_OP)
+    d_cmp = _buffers.empty(cmp_kv.shape, cmp_kv.dtype, cmp_kv.device, op=_OP) if cmp_kv is not None else None
     d_sinks = torch.empty_like(sinks, memory_format=torch.contiguous_format) if sinks is not None else None
-    d_qr = torch.empty_like(query_rope, memory_format=torch.contiguous_format) if query_rope is not None else None
-    d_kr = torch.empty_like(key_rope, memory_format=torch.contiguous_format) if key_rope is not None else None
+    d_qr = _buffers.empty(query_rope.shape, query_rope.dtype, query_rope.device, op=_OP) if query_rope is not None else None
+    d_kr = _buffers.empty(key_rope.shape, key_rope.dtype, key_rope.device, op=_OP) if key_rope is not None else None
     _C.sparse_attention_bwd(
         query.contiguous(), kv.contiguous(), _contiguous(indices), _contiguous(cmp_kv),
         _contiguous(cmp_indices), _contiguous(sinks), _contiguous(query_rope), _contiguous(key_rope),

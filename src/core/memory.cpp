@@ -1,11 +1,18 @@
 #include "core/memory.h"
 
+#include <pthread.h>
+
+#include <atomic>
 #include <cstdlib>
+#include <iomanip>
 #include <mutex>
 #include <new>
+#include <sstream>
 #include <vector>
 
+#include "core/validate.h"
 #include "dsa/backend.h"
+#include "dsa/error.h"
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -38,13 +45,27 @@ constexpr std::size_t kCacheMin = std::size_t{4} << 20;
 
 std::size_t alignment_for(std::size_t bytes) { return bytes >= 2 * kHugePage ? kHugePage : 64; }
 
-std::uint8_t* allocate(std::size_t bytes) {
-  auto* p = static_cast<std::uint8_t*>(::operator new[](bytes, std::align_val_t(alignment_for(bytes))));
+// What dsa's allocator holds from the system (in use and cached), and the
+// test cap on it (0: none). Counted only to enforce the cap.
+std::atomic<std::size_t> live_bytes{0};
+std::atomic<std::size_t> memory_cap{0};
+
+// One attempt: null when the cap would be exceeded or the system refuses.
+std::uint8_t* try_allocate(std::size_t bytes) {
+  std::size_t live = live_bytes.load();
+  const std::size_t cap = memory_cap.load();
+  do {
+    if (cap && (bytes > cap || live > cap - bytes)) return nullptr;
+  } while (!live_bytes.compare_exchange_weak(live, live + bytes));
+  auto* p = static_cast<std::uint8_t*>(
+      ::operator new[](bytes, std::align_val_t(alignment_for(bytes)), std::nothrow));
+  if (!p) {
+    live_bytes -= bytes;
+    return nullptr;
+  }
   advise_huge_pages(p, bytes);
   return p;
 }
-
-void deallocate(std::uint8_t* p, std::size_t bytes) { ::operator delete[](p, std::align_val_t(alignment_for(bytes))); }
 
 // DSA_WORKSPACE_CACHE_MIB, else an eighth of the physical memory (2 GiB where
 // that is unknown): enough for the attention backward's packed operands at
@@ -65,12 +86,35 @@ std::size_t initial_limit() {
 // Idle buffers, oldest first. Taking one picks the smallest that fits and is
 // at most twice the request: a small call must not hold a large buffer that a
 // large call running beside it would then allocate a second time.
+class WorkspaceCache;
+// The process's cache. A child made by fork() may inherit its mutex locked by a
+// parent thread that does not exist there (an op running beside the fork), and
+// then hangs in its first call: the child starts a fresh cache with the same
+// limit; the old one (idle copy-on-write pages) is left behind.
+std::atomic<WorkspaceCache*> g_cache{nullptr};
+void start_fresh_cache_in_fork_child();
+
 class WorkspaceCache {
  public:
+  explicit WorkspaceCache(std::size_t limit) : limit_(limit) {}
+
   static WorkspaceCache& instance() {
-    static WorkspaceCache* cache = new WorkspaceCache();  // never destroyed: used until exit
+    static const bool fork_handler = [] {
+      pthread_atfork(nullptr, nullptr, start_fresh_cache_in_fork_child);
+      return true;
+    }();
+    (void)fork_handler;
+    WorkspaceCache* cache = g_cache.load(std::memory_order_acquire);
+    if (!cache) {
+      auto* fresh = new WorkspaceCache(initial_limit());  // never destroyed: used until exit
+      if (g_cache.compare_exchange_strong(cache, fresh)) cache = fresh;
+      else delete fresh;
+    }
     return *cache;
   }
+
+  // Only where no other thread can run: in a fork child.
+  std::size_t limit_unlocked() const { return limit_; }
 
   // A cached buffer of at least `bytes` (its capacity in *capacity), or null.
   std::uint8_t* take(std::size_t bytes, std::size_t* capacity) {
@@ -135,27 +179,71 @@ class WorkspaceCache {
         idle_.erase(idle_.begin());
       }
     }
-    for (const Block& b : evicted) deallocate(b.data, b.bytes);
+    for (const Block& b : evicted) free_scratch(b.data, b.bytes);
   }
 
   std::mutex mutex_;
   std::vector<Block> idle_;
   std::size_t held_ = 0;
-  std::size_t limit_ = initial_limit();
+  std::size_t limit_;
 };
 
+void start_fresh_cache_in_fork_child() {
+  // The child has one thread: nothing can race these loads and stores.
+  if (WorkspaceCache* old = g_cache.load()) g_cache.store(new WorkspaceCache(old->limit_unlocked()));
+}
+
 }  // namespace
+
+std::uint8_t* allocate_scratch(std::size_t bytes) {
+  if (std::uint8_t* p = try_allocate(bytes)) return p;
+  // The idle cached workspaces are the memory this call most likely needs:
+  // give them back before calling it a failure.
+  WorkspaceCache::instance().release();
+  if (std::uint8_t* p = try_allocate(bytes)) return p;
+  throw AllocationFailure(bytes);
+}
+
+void free_scratch(std::uint8_t* p, std::size_t bytes) {
+  if (!p) return;
+  ::operator delete[](p, std::align_val_t(alignment_for(bytes)));
+  live_bytes -= bytes;
+}
+
+void run_kernel(const char* op, void (*body)(const void*), const void* context) {
+  for (int attempt = 0;; ++attempt) {
+    try {
+      body(context);
+      return;
+    } catch (const AllocationFailure& e) {
+      // allocate_scratch released the cache and retried already.
+      std::ostringstream mib;
+      mib << std::fixed << std::setprecision(1) << static_cast<double>(e.bytes()) / (1 << 20);
+      throw Error(ErrorKind::out_of_memory,
+                  concat(op, ": out of memory: could not allocate ", e.bytes(), " bytes (", mib.str(),
+                         " MiB) of kernel scratch, even after releasing dsa's workspace cache"));
+    } catch (const std::bad_alloc&) {
+      // Not from dsa's allocator (a plan or index vector): the cache may hold
+      // what it needed, so release it and rerun once.
+      WorkspaceCache::instance().release();
+      if (attempt == 0) continue;
+      throw Error(ErrorKind::out_of_memory,
+                  concat(op, ": out of memory: an allocation of the kernel failed (size not known "
+                             "here), even after releasing dsa's workspace cache and rerunning"));
+    }
+  }
+}
 
 ScratchBuffer::ScratchBuffer(std::size_t bytes) : capacity_(bytes) {
   if (bytes == 0) return;
   if (bytes >= kCacheMin) data_ = WorkspaceCache::instance().take(bytes, &capacity_);
-  if (!data_) data_ = allocate(bytes);  // capacity_ is still `bytes`: take() sets it only on success
+  if (!data_) data_ = allocate_scratch(bytes);  // capacity_ is still `bytes`: take() sets it only on success
 }
 
 ScratchBuffer::~ScratchBuffer() {
   if (!data_) return;
   if (capacity_ >= kCacheMin) WorkspaceCache::instance().give(data_, capacity_);
-  else deallocate(data_, capacity_);
+  else free_scratch(data_, capacity_);
 }
 
 }  // namespace dsa::core
@@ -166,5 +254,8 @@ void set_workspace_cache_limit(std::size_t bytes) { core::WorkspaceCache::instan
 std::size_t workspace_cache_limit() { return core::WorkspaceCache::instance().limit(); }
 std::size_t workspace_cache_bytes() { return core::WorkspaceCache::instance().held(); }
 void release_workspace_cache() { core::WorkspaceCache::instance().release(); }
+void set_scratch_memory_limit(std::size_t bytes) { core::memory_cap = bytes; }
+std::size_t scratch_memory_limit() { return core::memory_cap.load(); }
+std::size_t scratch_memory_bytes() { return core::live_bytes.load(); }
 
 }  // namespace dsa

@@ -9,6 +9,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <new>
+#include <vector>
 
 namespace dsa::core {
 
@@ -19,6 +21,58 @@ void advise_huge_pages(void* data, std::size_t bytes);
 // An uninitialised, 64-byte-aligned scratch buffer of `bytes` bytes (none for
 // 0), with the huge-page hint when it is large. Large ones come from and go
 // back to the workspace cache (dsa/backend.h: set_workspace_cache_limit).
+// Why a class of its own: dsa's allocator throws this (never a bare
+// std::bad_alloc) so that the op boundary (run_kernel) can name the request.
+// It has already released the workspace cache and retried once.
+class AllocationFailure : public std::bad_alloc {
+ public:
+  explicit AllocationFailure(std::size_t bytes) : bytes_(bytes) {}
+  std::size_t bytes() const { return bytes_; }
+  const char* what() const noexcept override { return "dsa: a scratch allocation failed"; }
+
+ private:
+  std::size_t bytes_;
+};
+
+// dsa's allocator for scratch and workspaces: `bytes` bytes, 64-byte aligned
+// (2 MiB for large ones, with the huge-page hint). When memory cannot be had
+// -- the system refuses, or the test cap (set_scratch_memory_limit) would be
+// exceeded -- it frees the idle cached workspaces and tries once more, then
+// throws AllocationFailure. free_scratch takes the same byte count back.
+std::uint8_t* allocate_scratch(std::size_t bytes);
+void free_scratch(std::uint8_t* p, std::size_t bytes);
+
+// A std::allocator that goes through allocate_scratch, for the kernels'
+// per-thread scratch vectors: their failures then name the size too.
+template <class T>
+struct ScratchAllocator {
+  using value_type = T;
+  ScratchAllocator() = default;
+  template <class U>
+  ScratchAllocator(const ScratchAllocator<U>&) noexcept {}
+  T* allocate(std::size_t n) {
+    if (n > static_cast<std::size_t>(-1) / sizeof(T)) throw AllocationFailure(static_cast<std::size_t>(-1));
+    return reinterpret_cast<T*>(allocate_scratch(n * sizeof(T)));
+  }
+  void deallocate(T* p, std::size_t n) noexcept { free_scratch(reinterpret_cast<std::uint8_t*>(p), n * sizeof(T)); }
+  template <class U>
+  bool operator==(const ScratchAllocator<U>&) const noexcept { return true; }
+};
+template <class T>
+using ScratchVector = std::vector<T, ScratchAllocator<T>>;
+
+// Runs an op's kernel. An allocation that fails inside it (dsa's allocator or
+// any other std::bad_alloc, e.g. a plan's vectors) becomes dsa::Error of kind
+// out_of_memory naming the op and, where known, the bytes requested. A bare
+// std::bad_alloc first releases the workspace cache and reruns the kernel
+// once: every kernel writes all of its outputs, so a rerun is a clean start.
+// The process goes on; what the kernel held is freed on the way out.
+void run_kernel(const char* op, void (*body)(const void*), const void* context);
+template <class Body>
+void run_kernel(const char* op, const Body& body) {
+  run_kernel(op, [](const void* c) { (*static_cast<const Body*>(c))(); }, &body);
+}
+
 class ScratchBuffer {
  public:
   explicit ScratchBuffer(std::size_t bytes);

@@ -1,5 +1,6 @@
 #include "core/thread_pool.h"
 
+#include <pthread.h>
 #include <sched.h>
 
 #include <atomic>
@@ -60,10 +61,28 @@ bool spin_until(Done done) {
   }
 }
 
+class Pool;
+// The process's pool. A child made by fork() has none of the parent's workers
+// (fork copies only the calling thread) and may have inherited its mutexes
+// locked, so a region there waited forever for workers that do not exist (a
+// DataLoader worker calling an op hung). The child therefore starts a fresh
+// pool; the old one is left behind, never destroyed.
+std::atomic<Pool*> g_pool{nullptr};
+
 class Pool {
  public:
   static Pool& instance() {
-    static Pool* pool = new Pool();  // never destroyed: workers may outlive static teardown
+    static const bool fork_handler = [] {
+      pthread_atfork(nullptr, nullptr, [] { g_pool.store(nullptr); });
+      return true;
+    }();
+    (void)fork_handler;
+    Pool* pool = g_pool.load(std::memory_order_acquire);
+    if (!pool) {
+      auto* fresh = new Pool();  // never destroyed: workers may outlive static teardown
+      if (g_pool.compare_exchange_strong(pool, fresh)) pool = fresh;
+      else delete fresh;  // another thread installed one first (it has no workers yet)
+    }
     return *pool;
   }
 

@@ -49,6 +49,11 @@ void require_size(const TensorView& t, const char* name, int dim, std::int64_t e
                   shape_string(t));
 }
 
+void require_mergeable_rows(const TensorView& t, const char* name) {
+  if (t.size(0) > 1 && t.size(1) > 0 && t.stride(0) != t.size(1) * t.stride(1))
+    fail_argument(name, ": the batch and sequence dims must be mergeable (contiguous rows)");
+}
+
 void require_last_dim_contiguous(const TensorView& t, const char* name) {
   // An empty tensor is never read, so its strides do not matter (torch expands a
   // 0-row gradient with stride 0, and .contiguous() keeps it as it is).

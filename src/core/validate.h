@@ -39,6 +39,10 @@ void require_ndim(const TensorView& t, const char* name, std::initializer_list<i
 void require_size(const TensorView& t, const char* name, int dim, std::int64_t expected,
                   const char* what);
 void require_last_dim_contiguous(const TensorView& t, const char* name);
+// BSND tensors: the kernels address row b * S + s at one row stride, so dims 0
+// and 1 must merge. Trivially true with one batch row or S = 0 (a property test
+// found a BSND call with Sq = 0 rejected: torch gives such a tensor stride(0) != 0).
+void require_mergeable_rows(const TensorView& t, const char* name);
 void require_contiguous(const TensorView& t, const char* name);
 
 // A floating tensor (bf16/fp16/fp32) on the CPU with a unit-stride last dim.

@@ -2,6 +2,7 @@
 #include "ops/compressor.h"
 
 #include "core/sequences.h"
+#include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
 #include "dsa/compressor.h"
@@ -66,10 +67,8 @@ CompressorProblem make_problem(const TensorView& kv, const TensorView& gate,
   require_size(position_bias, "position_bias", 1, in_channels, "the last dim of kv");
   require_last_dim_contiguous(position_bias, "position_bias");
   if (!tnd) {
-    if (kv.stride(0) != kv.size(1) * kv.stride(1))
-      fail_argument("kv: the batch and sequence dims must be mergeable (contiguous rows)");
-    if (gate.stride(0) != gate.size(1) * gate.stride(1))
-      fail_argument("gate: the batch and sequence dims must be mergeable (contiguous rows)");
+    require_mergeable_rows(kv, "kv");
+    require_mergeable_rows(gate, "gate");
   }
 
   LengthSpec spec;
@@ -135,8 +134,10 @@ void run_fwd(const TensorView& kv, const TensorView& gate, const TensorView& pos
     p.stats = stats->ptr<float>();
   }
   p.compressed = compressed.data;
-  if (backend == Backend::reference) reference::compressor_fwd(p);
-  else cpu::compressor_fwd(p);
+  core::run_kernel("compressor_fwd", [&] {
+    if (backend == Backend::reference) reference::compressor_fwd(p);
+    else cpu::compressor_fwd(p);
+  });
 }
 
 void run_bwd(const TensorView& grad_compressed, const TensorView& kv, const TensorView& gate,
@@ -153,8 +154,7 @@ void run_bwd(const TensorView& grad_compressed, const TensorView& kv, const Tens
     if (grad_compressed.shape[d] != out_shape.shape[d])
       fail_argument("grad_compressed: expected shape ", shape_string(out_shape), ", got ",
                     shape_string(grad_compressed));
-  if (!tnd && grad_compressed.stride(0) != grad_compressed.size(1) * grad_compressed.stride(1))
-    fail_argument("grad_compressed: the batch and sequence dims must be mergeable (contiguous rows)");
+  if (!tnd) require_mergeable_rows(grad_compressed, "grad_compressed");
   require_output(grad_kv, "grad_kv", kv.dtype, kv, "the shape of kv");
   require_output(grad_gate, "grad_gate", kv.dtype, kv, "the shape of kv");
   require_output(grad_position_bias, "grad_position_bias", DType::f32, position_bias,
@@ -169,8 +169,10 @@ void run_bwd(const TensorView& grad_compressed, const TensorView& kv, const Tens
     require_output(*stats, "stats", DType::f32, stats_shape(kv, p, tnd), stats_shape_name(tnd));
     p.stats = const_cast<float*>(stats->ptr<const float>());  // read only by the backward
   }
-  if (backend == Backend::reference) reference::compressor_bwd(p);
-  else cpu::compressor_bwd(p);
+  core::run_kernel("compressor_bwd", [&] {
+    if (backend == Backend::reference) reference::compressor_bwd(p);
+    else cpu::compressor_bwd(p);
+  });
 }
 
 }  // namespace

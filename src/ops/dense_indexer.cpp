@@ -2,6 +2,7 @@
 // problem set-up and backend dispatch.
 #include <cmath>
 
+#include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
 #include "dsa/dense_indexer.h"
@@ -133,8 +134,10 @@ void dense_indexer_lse(const TensorView& index_query, const TensorView& index_ke
   p.ratio = params.cmp_ratio;
   p.num_threads = resolve_num_threads(params.num_threads);
   p.lse = indexer_lse.ptr<float>();
-  if (backend == Backend::reference) reference::dense_indexer_lse(p);
-  else cpu::dense_indexer_lse(p);
+  core::run_kernel("dense_indexer_lse", [&] {
+    if (backend == Backend::reference) reference::dense_indexer_lse(p);
+    else cpu::dense_indexer_lse(p);
+  });
 }
 
 void dense_indexer_kl_loss_fwd(const TensorView& index_query, const TensorView& index_key,
@@ -151,8 +154,10 @@ void dense_indexer_kl_loss_fwd(const TensorView& index_query, const TensorView& 
   require_dtype(loss, "loss", {DType::f32});
   if (loss.numel() != 1) fail_argument("loss: expected one element, got shape ", shape_string(loss));
   p.loss = loss.ptr<float>();
-  if (backend == Backend::reference) reference::dense_indexer_kl_loss_fwd(p);
-  else cpu::dense_indexer_kl_loss_fwd(p);
+  core::run_kernel("dense_indexer_kl_loss_fwd", [&] {
+    if (backend == Backend::reference) reference::dense_indexer_kl_loss_fwd(p);
+    else cpu::dense_indexer_kl_loss_fwd(p);
+  });
 }
 
 void dense_indexer_kl_loss_bwd(const TensorView& index_query, const TensorView& index_key,
@@ -173,8 +178,10 @@ void dense_indexer_kl_loss_bwd(const TensorView& index_query, const TensorView& 
   p.d_index_query = d_index_query.data;
   p.d_index_key = d_index_key.data;
   p.d_weights = d_head_weights.data;
-  if (backend == Backend::reference) reference::dense_indexer_kl_loss_bwd(p);
-  else cpu::dense_indexer_kl_loss_bwd(p);
+  core::run_kernel("dense_indexer_kl_loss_bwd", [&] {
+    if (backend == Backend::reference) reference::dense_indexer_kl_loss_bwd(p);
+    else cpu::dense_indexer_kl_loss_bwd(p);
+  });
 }
 
 }  // namespace dsa

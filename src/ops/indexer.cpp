@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
 #include "dsa/indexer.h"
@@ -74,20 +75,17 @@ void indexer_topk(const TensorView& index_query, const TensorView& index_key,
   p.dtype = index_query.dtype;
   p.query_row_stride = index_query.stride(lead);
   p.query_head_stride = index_query.stride(lead + 1);
-  if (!tnd && index_query.stride(0) != index_query.size(1) * p.query_row_stride)
-    fail_argument("index_query: the batch and sequence dims must be mergeable (contiguous rows)");
+  if (!tnd) require_mergeable_rows(index_query, "index_query");
   p.heads = heads;
   p.dim = dim;
   p.key = index_key.data;
   p.key_row_stride = index_key.stride(lead);
-  if (!tnd && index_key.stride(0) != index_key.size(1) * p.key_row_stride)
-    fail_argument("index_key: the batch and sequence dims must be mergeable (contiguous rows)");
+  if (!tnd) require_mergeable_rows(index_key, "index_key");
   p.weights = weights.data;
   p.weights_dtype = weights.dtype;
   p.weights_row_stride = weights.stride(lead);
   p.weights_head_stride = weights.stride(lead + 1);
-  if (!tnd && weights.stride(0) != weights.size(1) * p.weights_row_stride)
-    fail_argument("weights: the batch and sequence dims must be mergeable (contiguous rows)");
+  if (!tnd) require_mergeable_rows(weights, "weights");
   p.indices = indices.ptr<std::int32_t>();
   p.scores = scores.present() ? scores.ptr<float>() : nullptr;
   p.topk = params.topk;
@@ -95,8 +93,10 @@ void indexer_topk(const TensorView& index_query, const TensorView& index_key,
   p.ratio = params.cmp_ratio;
   p.num_threads = resolve_num_threads(params.num_threads);
 
-  if (backend == Backend::reference) reference::indexer_topk(p);
-  else cpu::indexer_topk(p);
+  core::run_kernel("indexer_topk", [&] {
+    if (backend == Backend::reference) reference::indexer_topk(p);
+    else cpu::indexer_topk(p);
+  });
 }
 
 }  // namespace dsa

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
 #include "ops/indexer.h"
@@ -28,8 +29,7 @@ HeadMatrix head_matrix(const TensorView& t, int lead, const char* name) {
   m.heads = has_heads ? t.size(lead + 1) : 1;
   m.head_stride = has_heads ? t.stride(lead + 1) : 0;
   m.dim = t.size(-1);
-  if (lead == 1 && t.size(0) > 1 && t.stride(0) != t.size(1) * t.stride(1))
-    core::fail_argument(name, ": the batch and sequence dims must be mergeable (contiguous rows)");
+  if (lead == 1) core::require_mergeable_rows(t, name);
   return m;
 }
 
@@ -78,8 +78,7 @@ void validate_indexer_side(const TensorView& indices, const TensorView& index_qu
   for (int d = 0; d <= lead; ++d)
     require_size(indices, "indices", d, index_query.size(d), "the leading dims of index_query");
   if (indices.size(-1) <= 0) fail_argument("indices: expected at least one entry per row (K > 0), got K = 0");
-  if (!tnd && indices.size(0) > 1 && indices.stride(0) != indices.size(1) * indices.stride(1))
-    fail_argument("indices: the batch and sequence dims must be mergeable (contiguous rows)");
+  if (!tnd) require_mergeable_rows(indices, "indices");
 
   if (params.cmp_ratio < 1) fail_argument("cmp_ratio: expected an integer >= 1, got ", params.cmp_ratio);
   if (!std::isfinite(params.index_scale)) fail_argument("index_scale: expected a finite number, got ", params.index_scale);
@@ -196,8 +195,10 @@ void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView
   p.reduction = params.reduction;
   p.loss = loss.ptr<float>();
   p.score_grad = score_grad.present() ? score_grad.ptr<float>() : nullptr;
-  if (backend == Backend::reference) reference::kl_loss_fwd(p);
-  else cpu::kl_loss_fwd(p);
+  core::run_kernel("kl_loss_fwd", [&] {
+    if (backend == Backend::reference) reference::kl_loss_fwd(p);
+    else cpu::kl_loss_fwd(p);
+  });
 }
 
 void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
@@ -225,8 +226,10 @@ void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
   p.d_index_query = d_index_query.data;
   p.d_index_key = d_index_key.data;
   p.d_weights = d_weights.data;
-  if (backend == Backend::reference) reference::kl_loss_bwd(p);
-  else cpu::kl_loss_bwd(p);
+  core::run_kernel("kl_loss_bwd", [&] {
+    if (backend == Backend::reference) reference::kl_loss_bwd(p);
+    else cpu::kl_loss_bwd(p);
+  });
 }
 
 }  // namespace dsa

@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
 #include "dsa/sparse_attention.h"
@@ -30,8 +31,7 @@ void check_key_tensor(const TensorView& t, const char* name, const Shapes& s, DT
 // Row stride of a [.., rows, ..] tensor whose BSND batch and sequence dims merge.
 std::int64_t merged_row_stride(const TensorView& t, const char* name, const Shapes& s) {
   const std::int64_t stride = t.stride(s.lead);
-  if (!s.tnd && t.size(0) > 1 && t.size(1) > 0 && t.stride(0) != t.size(1) * stride)
-    fail_argument(name, ": the batch and sequence dims must be mergeable (contiguous rows)");
+  if (!s.tnd) require_mergeable_rows(t, name);
   return stride;
 }
 
@@ -173,11 +173,13 @@ void check_output(const TensorView& t, const char* name, DType dtype, const Tens
 }
 
 void dispatch(Backend backend, const TensorView& query, bool forward, const SparseAttentionProblem& p) {
-  if (backend == Backend::reference) {
-    forward ? reference::sparse_attention_fwd(p) : reference::sparse_attention_bwd(p);
-  } else {
-    forward ? cpu::sparse_attention_fwd(p) : cpu::sparse_attention_bwd(p);
-  }
+  core::run_kernel(forward ? "sparse_attention_fwd" : "sparse_attention_bwd", [&] {
+    if (backend == Backend::reference) {
+      forward ? reference::sparse_attention_fwd(p) : reference::sparse_attention_bwd(p);
+    } else {
+      forward ? cpu::sparse_attention_fwd(p) : cpu::sparse_attention_bwd(p);
+    }
+  });
 }
 
 }  // namespace
@@ -232,13 +234,11 @@ void sparse_attention_bwd(const SparseAttentionInputs& inputs, const SparseAtten
   p.grad_out = grad_out.data;
   p.go_row_stride = grad_out.stride(s.lead);
   p.go_head_stride = grad_out.stride(-2);
-  if (!s.tnd && grad_out.size(0) > 1 && grad_out.stride(0) != grad_out.size(1) * p.go_row_stride)
-    fail_argument("grad_out: the batch and sequence dims must be mergeable (contiguous rows)");
+  if (!s.tnd) require_mergeable_rows(grad_out, "grad_out");
   p.fwd_out = out.data;
   p.o_row_stride = out.stride(s.lead);
   p.o_head_stride = out.stride(-2);
-  if (!s.tnd && out.size(0) > 1 && out.stride(0) != out.size(1) * p.o_row_stride)
-    fail_argument("out: the batch and sequence dims must be mergeable (contiguous rows)");
+  if (!s.tnd) require_mergeable_rows(out, "out");
   p.saved_max = softmax_max.ptr<float>();
   p.saved_sum = softmax_sum.ptr<float>();
   p.d_query = grads.d_query.data;

@@ -1,5 +1,5 @@
 // Core services: the thread pool, backend resolution, contiguous views, the
-// workspace cache.
+// workspace cache, allocation failure.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -12,6 +12,7 @@
 #include "core/thread_pool.h"
 #include "dsa/backend.h"
 #include "dsa/error.h"
+#include "dsa/indexer.h"
 #include "dsa/tensor.h"
 
 namespace {
@@ -205,6 +206,120 @@ TEST(WorkspaceCache, ReusesIdleBuffersWithinItsLimit) {
   { dsa::core::ScratchBuffer small(1024); }  // small buffers never go through the cache
   EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);
   dsa::set_workspace_cache_limit(old_limit);
+}
+
+// Restores the allocator's cap and the cache's limit whatever a test does.
+struct AllocatorState {
+  std::size_t cap = dsa::scratch_memory_limit(), cache = dsa::workspace_cache_limit();
+  ~AllocatorState() {
+    dsa::set_scratch_memory_limit(cap);
+    dsa::set_workspace_cache_limit(cache);
+  }
+};
+
+TEST(AllocationFailure, CacheIsReleasedBeforeARequestFails) {
+  AllocatorState restore;
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  dsa::release_workspace_cache();
+  dsa::set_workspace_cache_limit(64 * kMiB);
+  const std::size_t base = dsa::scratch_memory_bytes();  // other tests' live buffers (none expected)
+  { dsa::core::ScratchBuffer a(16 * kMiB); }
+  ASSERT_EQ(dsa::workspace_cache_bytes(), 16 * kMiB);
+  // 18 MiB does not fit the idle 16 MiB buffer; both together exceed the cap,
+  // the request alone does not: the cache must give its buffer up.
+  dsa::set_scratch_memory_limit(base + 20 * kMiB);
+  {
+    dsa::core::ScratchBuffer b(18 * kMiB);
+    ASSERT_NE(b.data(), nullptr);
+    b.data()[18 * kMiB - 1] = 1;
+    EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);
+  }
+  // A request over the cap fails with its size, after the cache was emptied.
+  try {
+    dsa::core::ScratchBuffer c(24 * kMiB);
+    FAIL() << "a 24 MiB request under a 20 MiB cap succeeded";
+  } catch (const dsa::core::AllocationFailure& e) {
+    EXPECT_EQ(e.bytes(), 24 * kMiB);
+  }
+  EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);
+  EXPECT_EQ(dsa::scratch_memory_bytes(), base);  // nothing leaked by the failed attempts
+  { dsa::core::ScratchBuffer d(8 * kMiB); }       // the allocator still works
+  EXPECT_EQ(dsa::scratch_memory_bytes(), base + dsa::workspace_cache_bytes());
+}
+
+TEST(AllocationFailure, OpBoundaryNamesOpAndSize) {
+  using dsa::core::run_kernel;
+  // dsa's allocator failing: the error names the op and the bytes.
+  try {
+    run_kernel("some_op", [] { throw dsa::core::AllocationFailure(std::size_t{3} << 30); });
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::out_of_memory);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("some_op"), std::string::npos) << m;
+    EXPECT_NE(m.find("3221225472 bytes (3072.0 MiB)"), std::string::npos) << m;
+  }
+  // Another bad_alloc: the cache is released and the kernel rerun once.
+  int runs = 0;
+  run_kernel("retried_op", [&] {
+    if (++runs == 1) throw std::bad_alloc();
+  });
+  EXPECT_EQ(runs, 2);
+  runs = 0;
+  try {
+    run_kernel("failing_op", [&] {
+      ++runs;
+      throw std::bad_alloc();
+    });
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::out_of_memory);
+    EXPECT_NE(std::string(e.what()).find("failing_op"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(runs, 2);
+  // Other errors pass through untouched, and are not retried.
+  runs = 0;
+  EXPECT_THROW(run_kernel("op", [&] {
+                 ++runs;
+                 throw Error(ErrorKind::internal, "bug");
+               }),
+               Error);
+  EXPECT_EQ(runs, 1);
+}
+
+TEST(AllocationFailure, AnOpFailsCleanlyAndTheNextCallWorks) {
+  AllocatorState restore;
+  float q[2] = {1.0f, 0.5f};        // [T=1, Hi=1, Di=2]
+  float k[6] = {1, 0, 0, 1, 2, 2};  // [S=3, Di=2] -> scores 1, 0.5, 3
+  float w[1] = {2.0f};
+  std::int32_t idx[2] = {-7, -7};
+  dsa::IndexerParams p;
+  p.topk = 2;
+  p.cu_seqlens_q = {0, 1};
+  p.cu_seqlens_k = {0, 3};
+  p.num_threads = 1;
+  auto call = [&] {
+    dsa::indexer_topk(dsa::make_view(q, dsa::DType::f32, {1, 1, 2}), dsa::make_view(k, dsa::DType::f32, {3, 2}),
+                      dsa::make_view(w, dsa::DType::f32, {1, 1}), p, dsa::make_view(idx, dsa::DType::i32, {1, 2}),
+                      dsa::TensorView{}, Backend::cpu);
+  };
+  dsa::release_workspace_cache();
+  // The fused indexer's per-thread scratch goes through dsa's allocator; a cap
+  // of one byte over what is live makes its first request fail.
+  dsa::set_scratch_memory_limit(dsa::scratch_memory_bytes() + 1);
+  try {
+    call();
+    FAIL() << "the indexer ran under a one-byte scratch cap";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.kind(), ErrorKind::out_of_memory);
+    const std::string m = e.what();
+    EXPECT_NE(m.find("indexer_topk: out of memory: could not allocate "), std::string::npos) << m;
+    EXPECT_NE(m.find(" bytes ("), std::string::npos) << m;
+  }
+  dsa::set_scratch_memory_limit(0);
+  call();
+  EXPECT_EQ(idx[0], 0);
+  EXPECT_EQ(idx[1], 2);
 }
 
 }  // namespace

@@ -96,7 +96,8 @@ def run_sparse(x, fn, dtype, backend=None, sinks=True, scale=0.2, **kw):
         args["sinks"] = x["sinks"].to(torch.float64 if dtype == torch.float64 else torch.float32)
     st = torch.float64 if dtype == torch.float64 else torch.float32
     loss = fn(q, kv, x["idx"], mx.to(st), sm.to(st), iq, ik, w, **args)
-    grads = torch.autograd.grad(loss, [iq, ik, w], allow_unused=True)
+    # Over no valid row the oracle's loss is a constant without graph: zero gradients.
+    grads = torch.autograd.grad(loss, [iq, ik, w], allow_unused=True) if loss.requires_grad else (None,) * 3
     grads = [torch.zeros_like(t) if gr is None else gr for gr, t in zip(grads, (iq, ik, w))]
     return [loss.detach()] + list(grads)
 

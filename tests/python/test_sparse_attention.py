@@ -62,8 +62,11 @@ def make_case(mode, dtype, layout="TND", seed=0, heads=3, dim=40, d_v=None, rope
 DIFFERENTIABLE = ("query", "kv", "query_rope", "key_rope", "cmp_kv", "sinks")
 
 
-def run(fn, inputs, kw, grad_seed=1, dtype_of=None):
-    """Forward + backward; returns {name: tensor} for outputs, stats and every gradient."""
+def run(fn, inputs, kw, grad_seed=1, dtype_of=None, unreached_grad_is_zero=False):
+    """Forward + backward; returns {name: tensor} for outputs, stats and every gradient.
+    With unreached_grad_is_zero (for the oracles: autograd leaves .grad None on an
+    input the output never reached, e.g. a cmp_kv with no entries or T = 0) such a
+    gradient is zeros; the fused op must return it."""
     leaves = {k: v.detach().clone().requires_grad_(k in DIFFERENTIABLE) for k, v in inputs.items()}
     if dtype_of is not None:
         leaves = {k: (v.detach().to(dtype_of) if v.is_floating_point() else v).requires_grad_(k in DIFFERENTIABLE)
@@ -73,10 +76,13 @@ def run(fn, inputs, kw, grad_seed=1, dtype_of=None):
     out, mx, sm = fn(query, kv, **leaves, **args)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
     (out * g).sum().backward()
+    def grad(t):
+        return torch.zeros_like(t) if t.grad is None and unreached_grad_is_zero else t.grad
+
     res = {"out": out.detach(), "softmax_max": mx, "softmax_sum": sm,
-           "d_query": query.grad, "d_kv": kv.grad}
+           "d_query": grad(query), "d_kv": grad(kv)}
     for k, v in leaves.items():
-        res["d_" + k] = v.grad
+        res["d_" + k] = grad(v) if k in DIFFERENTIABLE else v.grad
     return res
 
 
@@ -86,8 +92,8 @@ def fused(backend):
 
 def check_against_oracle(inputs, kw, backends=("cpu", "reference")):
     dtype = inputs["query"].dtype
-    oracle = run(oracle_sparse_attention, inputs, kw)
-    naive = run(naive_sparse_attention, inputs, kw)
+    oracle = run(oracle_sparse_attention, inputs, kw, unreached_grad_is_zero=True)
+    naive = run(naive_sparse_attention, inputs, kw, unreached_grad_is_zero=True)
     for backend in backends:
         got = run(fused(backend), inputs, kw)
         assert got.keys() == oracle.keys()

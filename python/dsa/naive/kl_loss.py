@@ -57,7 +57,9 @@ def _flat(t: Optional[torch.Tensor], keep: int) -> Optional[torch.Tensor]:
     """Merges the leading dims so that `keep` trailing dims remain."""
     if t is None:
         return None
-    return t.reshape(-1, *t.shape[t.dim() - keep:]) if keep else t.reshape(-1)
+    # The row count spelled out, not -1: a reshape of 0 elements cannot infer it.
+    rows = math.prod(t.shape[:t.dim() - keep])
+    return t.reshape(rows, *t.shape[t.dim() - keep:]) if keep else t.reshape(-1)
 
 
 def _visible(q_len: int, k_len: int, m: int, device) -> torch.Tensor:
@@ -226,7 +228,7 @@ def naive_attention_stats(query, key, *, scale, indices=None, cmp_ratio=1, sinks
     acc = _acc(q)
     mx = torch.full((q.shape[0], H), -math.inf, dtype=acc)
     sm = torch.zeros((q.shape[0], H), dtype=acc)
-    idx = None if indices is None else _flat(indices.reshape(*query.shape[:-2], -1), 1).long()
+    idx = None if indices is None else _flat(indices.reshape(*query.shape[:-2], indices.shape[-1]), 1).long()
     for q0, lq, lk, c0, c_len in seqs:
         if lq == 0 or c_len == 0:
             continue

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/cpu_features.h"
+#include "core/memory.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/indexer/row_topk.h"
@@ -37,8 +38,8 @@ struct Task {
 };
 
 struct ThreadScratch {
-  std::vector<std::uint8_t> packed_query;
-  std::vector<std::uint8_t> key_scratch;
+  core::ScratchVector<std::uint8_t> packed_query;  // dsa's allocator: a failure names its size
+  core::ScratchVector<std::uint8_t> key_scratch;
   std::vector<float> weights, tile;
   std::vector<std::int32_t> positions;
   std::vector<std::uint32_t> keys;
@@ -83,7 +84,7 @@ void indexer_topk(const IndexerProblem& p) {
     s.keys.resize(kQueryBlock * capacity);
     s.boundary.resize(capacity);
   }
-  auto aligned = [](std::vector<std::uint8_t>& v) {
+  auto aligned = [](core::ScratchVector<std::uint8_t>& v) {
     return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t(63));
   };
   const std::size_t esize = dtype_size(p.dtype);

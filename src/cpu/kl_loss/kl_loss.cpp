@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/cpu_features.h"
+#include "core/memory.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/indexer/score_kernels.h"
@@ -75,7 +76,7 @@ void dense_indexer_lse(const DenseLseProblem& p) {
   const int threads = std::max(1, std::min<int>(p.num_threads, static_cast<int>(tasks.size())));
   const HeadMatrix& iq = p.index_query;
   struct Scratch {
-    std::vector<std::uint8_t> packed, key_scratch;
+    core::ScratchVector<std::uint8_t> packed, key_scratch;  // dsa's allocator: failures name the size
     std::vector<float> weights, tile;
   };
   std::vector<Scratch> scratch(threads);
@@ -85,7 +86,7 @@ void dense_indexer_lse(const DenseLseProblem& p) {
     s.weights.resize(kQueryBlock * iq.heads);
     s.tile.resize(kQueryBlock * kKeyTile);
   }
-  auto aligned = [](std::vector<std::uint8_t>& v) {
+  auto aligned = [](core::ScratchVector<std::uint8_t>& v) {
     return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t(63));
   };
   core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t task_index, int thread) {

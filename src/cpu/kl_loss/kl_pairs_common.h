@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/memory.h"
 #include "cpu/isa/avx512.h"
 
 namespace dsa::cpu::kl_kernels::pairs {
@@ -63,7 +64,7 @@ inline __m512 log512(__m512 x) {
 }
 
 template <class T>
-inline T* align64(std::vector<std::uint8_t>& v) {
+inline T* align64(core::ScratchVector<std::uint8_t>& v) {
   return reinterpret_cast<T*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t(63));
 }
 

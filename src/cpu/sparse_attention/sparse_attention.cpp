@@ -148,7 +148,7 @@ QueryRow query_row(const SparseAttentionProblem& p, std::int64_t row) {
 }
 
 struct Scratch {
-  std::vector<std::uint8_t> bytes;
+  core::ScratchVector<std::uint8_t> bytes;  // through dsa's allocator: a failure names its size
   RowPointers ptrs;
   void* aligned() {
     return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(bytes.data()) + 63) & ~std::uintptr_t(63));
@@ -187,7 +187,9 @@ struct OwnerBlock {
 // pairs in ascending row order, then index slot order (a counting sort).
 struct InvertedIndex {
   std::vector<std::int64_t> start;  // [blocks + 1]
-  std::vector<std::int32_t> rows;
+  // Global query rows: 64-bit, as a packed batch may hold more than 2^31 rows
+  // in all (int32 had been enough only for one sequence's local positions).
+  std::vector<std::int64_t> rows;
   std::vector<std::uint16_t> offsets;
 };
 
@@ -222,7 +224,7 @@ InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std
   std::vector<std::int64_t> fill(inv.start.begin(), inv.start.end() - 1);
   for_each_valid([&](std::int64_t block, std::int64_t row, std::int64_t offset) {
     const std::int64_t at = fill[block]++;
-    inv.rows[at] = static_cast<std::int32_t>(row);
+    inv.rows[at] = row;
     inv.offsets[at] = static_cast<std::uint16_t>(offset);
   });
   return inv;
@@ -329,8 +331,8 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   if (p.d_sinks) std::fill(p.d_sinks, p.d_sinks + H, 0.0f);
 
   // Phase 1: per-row softmax constants, dsink terms and dq.
-  std::vector<float> coef(p.plan.q_rows * H, 0.0f), delta(p.plan.q_rows * H, 0.0f);
-  std::vector<float> sink_terms(p.sinks ? p.plan.q_rows * H : 0, 0.0f);
+  core::ScratchVector<float> coef(p.plan.q_rows * H, 0.0f), delta(p.plan.q_rows * H, 0.0f);
+  core::ScratchVector<float> sink_terms(p.sinks ? p.plan.q_rows * H : 0, 0.0f);
   const std::vector<RowTask> tasks = row_tasks(p);
   const int threads = std::max(1, p.num_threads);
   // Per-row operands the kernel packs in phase 1 and reuses in phase 2 (AMX: the

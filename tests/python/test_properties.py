@@ -1,0 +1,372 @@
+"""Property tests (hypothesis): random valid configurations of every op match the
+float64 oracle within the quality.md tolerance rule, forward and backward, on both
+backends; random bad configurations raise ValueError naming the argument and leave
+inputs (and, at the C++ boundary, the caller's outputs) untouched.
+
+The example budget is fixed and the search derandomized (`derandomize=True`, no
+example database), so CI runs the same examples every time in bounded time. The
+checks themselves are the suites' own (test_sparse_attention, test_indexer,
+test_kl_loss, test_compressor): these tests only widen the inputs they see.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+import dsa
+from dsa import _C
+from dsa.lengths import cu_seqlens_from_ends
+
+import test_compressor
+import test_indexer
+import test_kl_loss
+import test_sparse_attention
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def budget(examples: int):
+    """Fixed, derandomized example budget; the shapes are small, so no deadline."""
+    return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@st.composite
+def lengths(draw, max_seqs=3, max_len=40, max_prefix=12, min_seqs=1, min_tokens=0):
+    """(q_lens, k_lens) per sequence: empty and one-token documents are likely,
+    and a key length may exceed its query length (prefix KV, Lq <= Lk). The KL
+    oracles need min_tokens=1: at T = 0 their loss is a constant without autograd graph."""
+    n = draw(st.integers(min_seqs, max_seqs))
+    length = st.one_of(st.sampled_from([0, 1, 2]), st.integers(0, max_len))
+    q = [draw(length) for _ in range(n)]
+    if sum(q) < min_tokens:
+        q[draw(st.integers(0, n - 1))] += min_tokens
+    k = [lq + draw(st.one_of(st.just(0), st.integers(0, max_prefix))) for lq in q]
+    return q, k
+
+
+# ------------------------------------------------------------ sparse attention
+
+@st.composite
+def attention_cases(draw):
+    """make_case keyword arguments for one valid call: V3.2 (explicit indices, with
+    -1, out-of-range and duplicate entries; optional rope), dense causal, and V4
+    (window + compressed part with ratio, optional cmp indices, sinks)."""
+    layout = draw(st.sampled_from(["TND", "BSND"]))
+    q_lens, k_lens = draw(lengths())
+    spec = dict(layout=layout, q_lens=tuple(q_lens), k_lens=tuple(k_lens), seed=draw(st.integers(0, 2**16)),
+                heads=draw(st.sampled_from([1, 2, 3, 5])), dim=draw(st.sampled_from([4, 16, 17, 32, 40])),
+                dtype=draw(st.sampled_from(DTYPES)))
+    family = draw(st.sampled_from(["v32", "dense", "v4"]))
+    if family == "v32":
+        spec.update(mode="indices", topk=draw(st.sampled_from([1, 3, 8, 20])))
+        if draw(st.booleans()):
+            spec["rope"] = draw(st.sampled_from([4, 8]))
+    else:
+        spec["mode"] = "dense"
+        if draw(st.booleans()):
+            spec["window"] = draw(st.integers(1, 12))
+    if family == "v4":
+        spec["ratio"] = draw(st.sampled_from([2, 4, 7]))
+        if draw(st.booleans()):
+            spec["cmp_topk"] = draw(st.integers(1, 6))
+    if family != "v32" or draw(st.booleans()):
+        if draw(st.booleans()):
+            spec["sinks"] = draw(st.sampled_from(["random", float("-inf"), 0.0, 30.0]))
+    if draw(st.booleans()):
+        spec["d_v"] = draw(st.integers(1, spec["dim"]))
+    return spec
+
+
+@budget(24)
+@given(attention_cases())
+def test_sparse_attention_matches_oracle(spec):
+    inputs, kw = test_sparse_attention.make_case(**spec)
+    test_sparse_attention.check_against_oracle(inputs, kw)
+
+
+# --------------------------------------------------------------------- indexer
+
+@st.composite
+def indexer_cases(draw):
+    layout = draw(st.sampled_from(["TND", "BSND"]))
+    ratio = draw(st.sampled_from([1, 1, 4, 5]))
+    q_lens, k_lens = draw(lengths(max_len=50))
+    if ratio > 1:
+        entries = [n // ratio for n in k_lens]
+    else:
+        entries = k_lens
+    case = test_indexer.Case(
+        "property", q_lens, k_lens, heads=draw(st.sampled_from([1, 2, 3, 8])),
+        dim=draw(st.sampled_from([8, 16, 33, 64])), topk=draw(st.sampled_from([1, 2, 5, 16, 70])),
+        layout=layout, ratio=ratio, scale=draw(st.sampled_from([1.0, 0.3])),
+        sq=max(q_lens), sk=max(entries), key_head_dim=draw(st.booleans()))
+    return case, draw(st.sampled_from(DTYPES)), draw(st.integers(0, 2**16))
+
+
+# Found by this test: a BSND call with Sq = 0 was rejected as "dims not
+# mergeable" (torch gives such a tensor stride(0) = H * D, not 0).
+@example((test_indexer.Case("bsnd_empty", [0], [0], heads=1, dim=8, topk=1, layout="BSND"), torch.float32, 0))
+@example((test_indexer.Case("bsnd_empty_rows", [0, 0], [3, 0], heads=2, dim=8, topk=2, layout="BSND", sk=3),
+          torch.bfloat16, 1))
+@budget(30)
+@given(indexer_cases())
+def test_indexer_matches_oracle(case_dtype_seed):
+    case, dtype, seed = case_dtype_seed
+    q, k, w, kwargs = test_indexer.make_inputs(case, dtype, seed=seed)
+    for backend in test_indexer.BACKENDS:
+        indices, scores = dsa.dsa_indexer(q, k, w, return_scores=True, backend=backend, **kwargs)
+        test_indexer.check_selection(indices, scores, q, k, w, kwargs, what=f"{case}/{dtype}/{backend}")
+
+
+# ----------------------------------------------------------- sparse KL loss
+
+def _user_lengths(q_lens, k_lens, layout):
+    if layout == "TND":
+        return (torch.tensor(q_lens).cumsum(0).tolist(), torch.tensor(k_lens).cumsum(0).tolist())
+    return list(q_lens), list(k_lens)
+
+
+@st.composite
+def sparse_kl_inputs(draw):
+    """An input dict of the shape test_kl_loss.sparse_inputs makes, of random size."""
+    layout = draw(st.sampled_from(["TND", "BSND"]))
+    ratio = draw(st.sampled_from([1, 1, 4]))
+    q_lens, k_lens = draw(lengths(max_len=24, min_tokens=1))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    H, D, Hi, Di = draw(st.sampled_from([1, 3])), draw(st.sampled_from([8, 32])), draw(st.sampled_from([1, 4])), 16
+    K = draw(st.sampled_from([1, 4, 9]))
+    rope = ratio == 1 and draw(st.booleans())
+    rows = [n // ratio for n in k_lens] if ratio > 1 else k_lens
+    if layout == "TND":
+        qs, ks = (sum(q_lens),), (sum(rows),)
+    else:
+        qs, ks = (len(q_lens), max(q_lens)), (len(q_lens), max(rows))
+    ql, kl = _user_lengths(q_lens, k_lens, layout)
+    hi = max(2, max(rows) + 2)
+    return dict(q=torch.randn(*qs, H, D, generator=g), kv=torch.randn(*ks, D, generator=g),
+                qr=torch.randn(*qs, H, 8, generator=g) if rope else None,
+                kr=torch.randn(*ks, 8, generator=g) if rope else None,
+                iq=torch.randn(*qs, Hi, Di, generator=g), ik=torch.randn(*ks, Di, generator=g),
+                w=torch.rand(*qs, Hi, generator=g) * 1.5 - 0.5,
+                idx=torch.randint(-2, hi, (*qs, K), generator=g, dtype=torch.int32),
+                sinks=torch.randn(H, generator=g) * 2, ql=ql, kl=kl), layout, ratio
+
+
+@budget(16)
+@given(sparse_kl_inputs(), st.sampled_from([torch.float32, torch.bfloat16]), st.booleans())
+def test_sparse_kl_loss_matches_oracle(drawn, dtype, sinks):
+    x, layout, ratio = drawn
+    x = test_kl_loss.rounded(x, dtype)
+    kw = dict(cmp_ratio=ratio, layout=layout, loss_coefficient=0.9, sinks=sinks)
+    oracle = test_kl_loss.run_sparse(x, test_kl_loss.naive_kl_loss, torch.float64, **kw)
+    naive = None if dtype == torch.float32 else test_kl_loss.run_sparse(x, test_kl_loss.naive_kl_loss, dtype, **kw)
+    for backend in test_kl_loss.BACKENDS:
+        fused = test_kl_loss.run_sparse(x, dsa.dsa_kl_loss, dtype, backend=backend, **kw)
+        for i, name in enumerate(["loss", "d_index_query", "d_index_key", "d_weights"]):
+            test_kl_loss.check(f"{backend}/{name}", fused[i], None if naive is None else naive[i], oracle[i])
+
+
+# ------------------------------------------------------------ dense KL loss
+
+@st.composite
+def dense_kl_inputs(draw):
+    layout = draw(st.sampled_from(["TND", "BSND"]))
+    q_lens, k_lens = draw(lengths(max_len=20, min_tokens=1))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    H = draw(st.sampled_from([1, 2, 4]))
+    Hk = draw(st.sampled_from([h for h in (1, 2, 4) if H % h == 0]))
+    D, Hi, Di = draw(st.sampled_from([8, 24])), draw(st.sampled_from([1, 3])), draw(st.sampled_from([8, 16]))
+    rope = draw(st.booleans())
+    if layout == "TND":
+        qs, ks = (sum(q_lens),), (sum(k_lens),)
+    else:
+        qs, ks = (len(q_lens), max(q_lens)), (len(q_lens), max(k_lens))
+    ql, kl = _user_lengths(q_lens, k_lens, layout)
+    return dict(iq=torch.randn(*qs, Hi, Di, generator=g), ik=torch.randn(*ks, Di, generator=g),
+                w=torch.rand(*qs, Hi, generator=g) - 0.3, q=torch.randn(*qs, H, D, generator=g),
+                k=torch.randn(*ks, Hk, D, generator=g),
+                qr=torch.randn(*qs, H, 8, generator=g) if rope else None,
+                kr=torch.randn(*ks, Hk, 8, generator=g) if rope else None, ql=ql, kl=kl, layout=layout)
+
+
+@budget(12)
+@given(dense_kl_inputs(), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_dense_kl_loss_matches_oracle(x, dtype):
+    x = test_kl_loss.rounded(x, dtype)
+    oracle = test_kl_loss.run_dense(x, torch.float64, loss_coefficient=1.1)
+    naive = None if dtype == torch.float32 else test_kl_loss.run_dense(x, dtype, loss_coefficient=1.1)
+    for backend in test_kl_loss.BACKENDS:
+        fused = test_kl_loss.run_dense(x, dtype, backend=backend, loss_coefficient=1.1)
+        for i, name in enumerate(["indexer_lse", "loss", "d_index_query", "d_index_key", "d_head_weights"]):
+            test_kl_loss.check(f"{backend}/{name}", fused[i], None if naive is None else naive[i], oracle[i])
+
+
+# ---------------------------------------------------------------- compressor
+
+@st.composite
+def compressor_cases(draw):
+    layout = draw(st.sampled_from(["TND", "BSND"]))
+    ratio = draw(st.sampled_from([1, 2, 3, 4, 16]))
+    overlap = draw(st.booleans())
+    c = draw(st.sampled_from([3, 8, 17, 40]))
+    n = draw(st.integers(1, 4))
+    raw = [draw(st.one_of(st.integers(0, 2 * ratio + 1), st.integers(0, 60))) for _ in range(n)]
+    if layout == "TND":
+        shape, lengths_arg = (sum(raw),), torch.tensor(raw).cumsum(0).tolist()
+    else:
+        shape, lengths_arg = (n, max(raw)), raw
+    return dict(shape=shape, channels=(2 if overlap else 1) * c, ratio=ratio, overlap=overlap,
+                lengths=lengths_arg, layout=layout, dtype=draw(st.sampled_from(DTYPES)),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@budget(24)
+@given(compressor_cases())
+def test_compressor_matches_oracle(case):
+    kv, gate, bias = test_compressor.make_inputs(case["shape"], case["channels"], case["ratio"], case["dtype"],
+                                                 seed=case["seed"])
+    for backend in ("cpu", "reference"):
+        test_compressor.check_against_oracle(kv, gate, bias, ratio=case["ratio"], overlap=case["overlap"],
+                                             lengths=case["lengths"], layout=case["layout"], backend=backend)
+
+
+# ------------------------------------------------------------ bad configurations
+
+def _snapshot(tensors):
+    return [t.clone() for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _unchanged(before, tensors):
+    after = [t for t in tensors if isinstance(t, torch.Tensor)]
+    return len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+# Each mutation turns one valid sparse-attention call (make_case's inputs and
+# keywords, indices mode, TND) into a bad one; the name the error must contain.
+ATTENTION_MUTATIONS = [
+    ("kv", lambda i, k: (dict(i, kv=i["kv"][:, :-1]), k)),
+    ("kv", lambda i, k: (dict(i, kv=i["kv"].double()), k)),
+    ("indices", lambda i, k: (i, dict(k, indices=k["indices"].long()))),
+    ("indices", lambda i, k: (i, dict(k, indices=k["indices"][:-1]))),
+    ("indices", lambda i, k: (i, dict(k, indices=k["indices"][:, :0]))),
+    ("query", lambda i, k: (dict(i, query=i["query"][0]), k)),
+    ("scale", lambda i, k: (i, dict(k, scale=math.inf))),
+    ("window", lambda i, k: (i, dict(k, window=3))),
+    ("d_v", lambda i, k: (i, dict(k, d_v=i["query"].shape[-1] + 1))),
+    ("sinks", lambda i, k: (dict(i, sinks=torch.zeros(i["query"].shape[-2] + 1)), k)),
+    ("cmp_ratio", lambda i, k: (dict(i, cmp_kv=i["kv"][:1]), k)),
+    ("key_rope", lambda i, k: (dict(i, query_rope=i["query"][..., :2]), k)),
+    ("query_lengths", lambda i, k: (i, dict(k, query_lengths=k["query_lengths"][:-1] + [k["query_lengths"][-1] + 1]))),
+    ("key_lengths", lambda i, k: (i, dict(k, key_lengths=k["key_lengths"][:-1] + [k["key_lengths"][-1] + 1]))),
+    ("Lq must be <= Lk|query_lengths|key_lengths",
+     lambda i, k: (i, dict(k, key_lengths=[0] * (len(k["key_lengths"]) - 1) + k["key_lengths"][-1:]))),
+]
+
+
+def _bad_attention_call(lens, dtype, which, seed):
+    """A valid call's (inputs, keywords) with mutation `which` applied, and the needle."""
+    q_lens, k_lens = lens
+    needle, mutate = ATTENTION_MUTATIONS[which]
+    if needle.startswith("Lq") and sum(q_lens[:-1]) == 0:
+        q_lens[0], k_lens[0] = 1, max(k_lens[0], 1)  # needs a non-empty earlier query sequence
+    inputs, kw = test_sparse_attention.make_case("indices", dtype, seed=seed, heads=2, dim=8, topk=3,
+                                                 q_lens=q_lens, k_lens=k_lens)
+    return (inputs, kw) + mutate(inputs, kw) + (needle,)
+
+
+@budget(30)
+@given(lengths(min_seqs=2, max_len=12), st.sampled_from(DTYPES),
+       st.sampled_from(range(len(ATTENTION_MUTATIONS))), st.integers(0, 2**16))
+def test_sparse_attention_bad_configurations(lens, dtype, which, seed):
+    _, _, bad_inputs, bad_kw, needle = _bad_attention_call(lens, dtype, which, seed)
+    everything = list(bad_inputs.values()) + list(bad_kw.values())
+    before = _snapshot(everything)
+    rest = {k: v for k, v in bad_inputs.items() if k not in ("query", "kv")}
+    with pytest.raises(ValueError, match=needle):
+        dsa.dsa_sparse_attention(bad_inputs["query"], bad_inputs["kv"], **rest, **bad_kw)
+    assert _unchanged(before, everything)
+
+
+# The same through the C++ boundary with caller-owned outputs: validation ends
+# before the first write, so a sentinel fill survives every rejected call.
+@budget(20)
+@given(lengths(min_seqs=2, max_len=12), st.sampled_from(range(len(ATTENTION_MUTATIONS))), st.integers(0, 2**16))
+def test_sparse_attention_bad_configurations_leave_outputs_untouched(lens, which, seed):
+    inputs, _, i, k, needle = _bad_attention_call(lens, torch.float32, which, seed)
+    query = inputs["query"]
+    out = torch.full((*query.shape[:-1], k.get("d_v", query.shape[-1])), 7.0)
+    mx, sm = torch.full(query.shape[:-1], 7.0), torch.full(query.shape[:-1], 7.0)
+    with pytest.raises(ValueError, match=needle):
+        _C.sparse_attention_fwd(
+            i["query"], i["kv"], k.get("indices"), i.get("cmp_kv"), None, i.get("sinks"), i.get("query_rope"),
+            i.get("key_rope"), out, mx, sm, float(k["scale"]), int(k.get("d_v", 0)), int(k.get("window", 0)),
+            int(k.get("cmp_ratio", 1)), cu_seqlens_from_ends(k["query_lengths"]),
+            cu_seqlens_from_ends(k["key_lengths"]), "TND", "cpu", 1)
+    assert (out == 7).all() and (mx == 7).all() and (sm == 7).all()
+
+
+INDEXER_MUTATIONS = [
+    ("index_query", lambda q, k, w, a: (q.flatten(-2), k, w, a)),
+    ("index_key", lambda q, k, w, a: (q, k.double(), w, a)),
+    ("index_key", lambda q, k, w, a: (q, k[:, :-1], w, a)),
+    ("weights", lambda q, k, w, a: (q, k, w[:, :-1], a)),
+    ("weights", lambda q, k, w, a: (q, k, w.int(), a)),
+    ("topk", lambda q, k, w, a: (q, k, w, dict(a, topk=0))),
+    ("cmp_ratio", lambda q, k, w, a: (q, k, w, dict(a, cmp_ratio=0))),
+    ("scale", lambda q, k, w, a: (q, k, w, dict(a, scale=math.nan))),
+    ("query_lengths", lambda q, k, w, a: (q, k, w, dict(a, query_lengths=a["query_lengths"][::-1] + [q.shape[0] + 1]))),
+    ("key_lengths", lambda q, k, w, a: (q, k, w, dict(a, key_lengths=a["key_lengths"][:-1] + [k.shape[0] + 1]))),
+]
+
+
+@budget(24)
+@given(lengths(min_seqs=2, max_len=12), st.sampled_from(range(len(INDEXER_MUTATIONS))), st.integers(0, 2**16))
+def test_indexer_bad_configurations_leave_outputs_untouched(lens, which, seed):
+    q_lens, k_lens = lens
+    case = test_indexer.Case("bad", q_lens, k_lens, heads=2, dim=8, topk=3)
+    q, k, w, kwargs = test_indexer.make_inputs(case, torch.float32, seed=seed)
+    needle, mutate = INDEXER_MUTATIONS[which]
+    q2, k2, w2, a = mutate(q, k, w, kwargs)
+    before = _snapshot([q2, k2, w2])
+    with pytest.raises(ValueError, match=needle):
+        dsa.dsa_indexer(q2, k2, w2, **a)
+    assert _unchanged(before, [q2, k2, w2])
+    if isinstance(a["topk"], int) and a["topk"] > 0:  # a topk <= 0 has no output tensor to make
+        indices = torch.full((q.shape[0], a["topk"]), 7, dtype=torch.int32)
+        scores = torch.full((q.shape[0], a["topk"]), 7.0)
+        with pytest.raises(ValueError, match=needle):
+            _C.indexer_topk(q2, k2, w2, indices, scores, a["topk"], float(a["scale"]), a["cmp_ratio"],
+                            cu_seqlens_from_ends(a["query_lengths"]), cu_seqlens_from_ends(a["key_lengths"]),
+                            "TND", "cpu", 1)
+        assert (indices == 7).all() and (scores == 7).all()
+
+
+COMPRESSOR_MUTATIONS = [
+    ("ratio", lambda kv, g, b, a: (kv, g, b, dict(a, ratio=0))),
+    ("position_bias", lambda kv, g, b, a: (kv, g, b[:-1], a)),
+    ("position_bias", lambda kv, g, b, a: (kv, g, b.double(), a)),
+    ("gate", lambda kv, g, b, a: (kv, g[:-1], b, a)),
+    ("gate", lambda kv, g, b, a: (kv, g.double(), b, a)),
+    ("query_lengths", lambda kv, g, b, a: (kv, g, b, dict(a, query_lengths=a["query_lengths"][:-1] + [kv.shape[0] + 1]))),
+    ("kv", lambda kv, g, b, a: (kv[:, :-1], g[:, :-1], b[:, :-1], dict(a, overlap=True))),
+]
+
+
+@budget(16)
+@given(st.lists(st.integers(0, 20), min_size=1, max_size=3), st.sampled_from(range(len(COMPRESSOR_MUTATIONS))),
+       st.integers(0, 2**16))
+def test_compressor_bad_configurations(raw, which, seed):
+    ratio = 4
+    ends = torch.tensor(raw).cumsum(0).tolist()
+    kv, gate, bias = test_compressor.make_inputs((ends[-1],), 8, ratio, torch.float32, seed=seed)
+    needle, mutate = COMPRESSOR_MUTATIONS[which]
+    kv2, g2, b2, a = mutate(kv, gate, bias, dict(ratio=ratio, overlap=True, query_lengths=ends))
+    before = _snapshot([kv2, g2, b2])
+    with pytest.raises(ValueError, match=needle):
+        dsa.dsa_compressor(kv2, g2, b2, **a)
+    assert _unchanged(before, [kv2, g2, b2])
