@@ -32,6 +32,14 @@ template <class... Parts>
 std::string shape_string(const TensorView& t);
 
 void require_present(const TensorView& t, const char* name);
+// What any view must be, whatever its op: at most kMaxDims dims, no negative
+// size, and an element count and byte extent that fit in int64. A hand-made
+// view can claim anything, and the kernels compute offsets as index * stride
+// and size buffers from the shape, so such a view would wrap an offset or ask
+// for an impossible allocation instead of failing. Absent views pass.
+void require_addressable(const TensorView& t, const char* name);
+// Also runs require_addressable: every op checks each view it touches here
+// first, before it reads the view's shape.
 void require_cpu(const TensorView& t, const char* name);
 void require_dtype(const TensorView& t, const char* name, std::initializer_list<DType> allowed);
 void require_ndim(const TensorView& t, const char* name, std::initializer_list<int> allowed,

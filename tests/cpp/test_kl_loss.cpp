@@ -464,4 +464,46 @@ TEST(KlLoss, BadInputsRejectedWithoutWriting) {
   EXPECT_THROW(parse_reduction("avg"), Error);
 }
 
+// Found by fuzz_kl_loss and fuzz_dense_indexer (their corpus keeps the inputs
+// as regression-negative-size-*): a hand-made index_key of -1 rows passed the
+// validation, since -1 is how the length planner spells "no key tensor", and
+// the reference backward then sized its accumulators from it
+// (std::length_error, not a dsa::Error). Sizes are now checked on every view.
+TEST(KlLoss, NegativeKeyRowsRejected) {
+  float iq = 0, ik = 0, w = 0, sg = 0, d_iq = 0, d_ik = 0, d_w = 0, q = 0, k = 0, stat = 0, lse = 0;
+  std::int32_t idx = 0;
+  auto negative_rows = [](float* data) {
+    TensorView v = make_view(data, DType::f32, {1, 1});
+    v.shape[0] = -1;
+    return v;
+  };
+  auto expect_invalid = [](auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted an index_key of -1 rows";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("index_key"), std::string::npos) << e.what();
+    }
+  };
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    KlLossParams sparse;
+    sparse.cmp_ratio = 4;  // index_key holds compressed entries: none for T = 0 queries
+    expect_invalid([&] {
+      kl_loss_bwd(make_view(&idx, DType::i32, {0, 1}), make_view(&iq, DType::f32, {0, 1, 1}), negative_rows(&ik),
+                  make_view(&w, DType::f32, {0, 1}), make_view(&sg, DType::f32, {0, 1}), 1.0f, sparse,
+                  make_view(&d_iq, DType::f32, {0, 1, 1}), negative_rows(&d_ik), make_view(&d_w, DType::f32, {0, 1}),
+                  backend);
+    });
+    expect_invalid([&] {
+      dense_indexer_kl_loss_bwd(make_view(&iq, DType::f32, {0, 1, 1}), negative_rows(&ik),
+                                make_view(&w, DType::f32, {0, 1}), make_view(&q, DType::f32, {0, 1, 1}),
+                                negative_rows(&k), make_view(&stat, DType::f32, {0, 1}),
+                                make_view(&stat, DType::f32, {0, 1}), make_view(&lse, DType::f32, {0}), TensorView{},
+                                TensorView{}, 1.0f, DenseIndexerKlParams{}, make_view(&d_iq, DType::f32, {0, 1, 1}),
+                                negative_rows(&d_ik), make_view(&d_w, DType::f32, {0, 1}), backend);
+    });
+  }
+}
+
 }  // namespace

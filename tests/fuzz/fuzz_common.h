@@ -160,21 +160,21 @@ class Arena {
   // overflows int64), the rank (one dim dropped or added), the device, or
   // make the view absent. Returns false when the view is valid but addresses
   // more than this input may allocate: the caller then skips the input.
-  bool view(TensorView& v, DType dtype, std::vector<std::int64_t> shape, bool mutable_layout = true) {
+  bool view(TensorView& v, DType dtype, std::vector<std::int64_t> shape) {
     v = TensorView{};
     v.dtype = dtype;
-    if (mutable_layout && in_.rare(48)) return true;  // absent
-    if (mutable_layout && in_.rare(48)) {
+    if (in_.rare(48)) return true;  // absent
+    if (in_.rare(48)) {
       if (in_.flag() && !shape.empty()) shape.pop_back();
       else shape.insert(shape.begin() + in_.range(0, static_cast<std::int64_t>(shape.size())), in_.range(0, 3));
     }
     if (shape.size() > static_cast<std::size_t>(dsa::kMaxDims)) shape.resize(dsa::kMaxDims);
     v.ndim = static_cast<int>(shape.size());
     for (int d = 0; d < v.ndim; ++d) v.shape[d] = shape[d];
-    if (mutable_layout && in_.rare(64)) v.device = dsa::Device::cuda;
+    if (in_.rare(64)) v.device = dsa::Device::cuda;
 
     // Strides in elements: contiguous unless the input asks otherwise.
-    const int mode = mutable_layout && in_.rare(6) ? static_cast<int>(in_.range(1, 4)) : 0;
+    const int mode = in_.rare(6) ? static_cast<int>(in_.range(1, 4)) : 0;
     std::int64_t expected = 1;
     for (int d = v.ndim - 1; d >= 0; --d) {
       std::int64_t stride = expected;

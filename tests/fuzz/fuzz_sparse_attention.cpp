@@ -56,7 +56,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (TensorView* v : {&x.query, &x.kv, &x.cmp_kv, &x.query_rope, &x.key_rope}) a.fill(*v, fill);
   a.fill(x.sinks, FloatFill{4.0f, in.rare(3)});
   const bool wild = in.rare(4);
-  a.fill_indices(x.indices, seq.tnd ? seq.k_rows : seq.k_rows, wild);
+  a.fill_indices(x.indices, seq.k_rows, wild);
   a.fill_indices(x.cmp_indices, seq.c_rows, wild);
 
   TensorView out, softmax_max, softmax_sum;
