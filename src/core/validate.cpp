@@ -22,11 +22,15 @@ void require_present(const TensorView& t, const char* name) {
 void require_addressable(const TensorView& t, const char* name) {
   if (!t.present()) return;
   if (t.ndim > kMaxDims) fail_argument(name, ": expected at most ", kMaxDims, " dims, got ", t.ndim);
-  std::int64_t numel = 1;
+  // The product of the non-zero sizes, too, must fit: the ops multiply sizes
+  // (row sizes, contiguity checks) before they look for an empty dim, so
+  // [0, 3, INT64_MAX] overflowed in is_contiguous (found by fuzz_sparse_attention).
+  std::int64_t numel = 1, nonzero = 1;
   for (int d = 0; d < t.ndim; ++d) {
     if (t.shape[d] < 0) fail_argument(name, ": dim ", d, " has a negative size in shape ", shape_string(t));
-    if (__builtin_mul_overflow(numel, t.shape[d], &numel))
+    if (__builtin_mul_overflow(nonzero, t.shape[d] > 0 ? t.shape[d] : 1, &nonzero))
       fail_argument(name, ": the number of elements of shape ", shape_string(t), " overflows int64");
+    numel *= t.shape[d];  // <= nonzero
   }
   if (numel == 0) return;  // nothing is addressed, whatever the strides say
   std::int64_t last = 0;  // offset of the farthest element, in elements

@@ -33,7 +33,8 @@ std::string shape_string(const TensorView& t);
 
 void require_present(const TensorView& t, const char* name);
 // What any view must be, whatever its op: at most kMaxDims dims, no negative
-// size, and an element count and byte extent that fit in int64. A hand-made
+// size, and an element count (also that of its non-zero sizes alone) and a
+// byte extent that fit in int64. A hand-made
 // view can claim anything, and the kernels compute offsets as index * stride
 // and size buffers from the shape, so such a view would wrap an offset or ask
 // for an impossible allocation instead of failing. Absent views pass.

@@ -464,6 +464,62 @@ TEST(KlLoss, BadInputsRejectedWithoutWriting) {
   EXPECT_THROW(parse_reduction("avg"), Error);
 }
 
+// Found by fuzz_kl_loss (corpus: regression-zero-head-dim-*): D = 0 (every
+// logit 0) is legal, and the fused forward's per-thread buffers were then
+// empty vectors whose null data() went to memset, undefined even for 0 bytes
+// (the fuzz build's UBSan aborts on it). The backends must agree on it.
+TEST(KlLoss, ZeroHeadDimMatchesReference) {
+  const std::int64_t T = 3, Di = 2, K = 2;
+  float q = 0, kv = 0;
+  std::vector<float> iq{0.5f, 0.1f, 0.2f, 0.7f, 0.3f, 0.3f}, ik{0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f};
+  std::vector<float> w(T, 1.0f), mx(T, 0.0f), sm(T, 2.0f);
+  std::vector<std::int32_t> idx{0, -1, 0, 1, 1, 2};
+  float loss[2] = {-1.0f, -1.0f};
+  std::vector<float> score_grad(2 * T * K, -1.0f);
+  const Backend backends[2] = {Backend::reference, Backend::cpu};
+  for (int b = 0; b < 2; ++b)
+    kl_loss_fwd(make_view(&q, DType::f32, {T, 1, 0}), make_view(&kv, DType::f32, {T, 0}),
+                make_view(idx.data(), DType::i32, {T, K}), make_view(mx.data(), DType::f32, {T, 1}),
+                make_view(sm.data(), DType::f32, {T, 1}), make_view(iq.data(), DType::f32, {T, 1, Di}),
+                make_view(ik.data(), DType::f32, {T, Di}), make_view(w.data(), DType::f32, {T, 1}), TensorView{},
+                TensorView{}, TensorView{}, KlLossParams{}, make_view(&loss[b], DType::f32, {1}),
+                make_view(score_grad.data() + b * T * K, DType::f32, {T, K}), backends[b]);
+  EXPECT_GT(loss[0], 0.0f);  // the uniform teacher differs from the indexer's softmax
+  EXPECT_NEAR(loss[1], loss[0], 1e-6f);
+  for (std::int64_t i = 0; i < T * K; ++i) EXPECT_NEAR(score_grad[T * K + i], score_grad[i], 1e-6f) << i;
+}
+
+// Found by fuzz_kl_loss and fuzz_dense_indexer (corpus:
+// regression-empty-query-huge-dims-*): with no query rows, a query may claim
+// any head count or dim ([0, 2^40, 1] addresses nothing), and the fused
+// kernels sized their per-thread buffers from them (std::bad_alloc). The loss
+// of no rows is 0.
+TEST(KlLoss, NoQueryRowsWithHugeHeadsOrDims) {
+  const std::int64_t huge = std::int64_t{1} << 40;
+  float f = 0;
+  std::int32_t idx = 0;
+  auto empty = [&](void* data, DType dtype, std::initializer_list<std::int64_t> shape, int huge_dim) {
+    TensorView v = make_view(data, dtype, shape);
+    v.shape[huge_dim] = huge;
+    for (int d = v.ndim - 2; d >= 0; --d) v.strides[d] = v.strides[d + 1] * v.shape[d + 1];
+    return v;
+  };
+  const TensorView none = make_view(&f, DType::f32, {0, 1}), iq = make_view(&f, DType::f32, {0, 1, 1});
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    float loss = -1.0f;
+    kl_loss_fwd(empty(&f, DType::f32, {0, 1, 1}, 1), none, make_view(&idx, DType::i32, {0, 1}),
+                empty(&f, DType::f32, {0, 1}, 1), empty(&f, DType::f32, {0, 1}, 1), iq, none, none, TensorView{},
+                TensorView{}, TensorView{}, KlLossParams{}, make_view(&loss, DType::f32, {1}), TensorView{}, backend);
+    EXPECT_EQ(loss, 0.0f) << backend_name(backend);
+    loss = -1.0f;
+    dense_indexer_kl_loss_fwd(iq, none, none, empty(&f, DType::f32, {0, 3, 1}, 2), empty(&f, DType::f32, {0, 1}, 1),
+                              make_view(&f, DType::f32, {0, 3}), make_view(&f, DType::f32, {0, 3}),
+                              make_view(&f, DType::f32, {0}), TensorView{}, TensorView{}, DenseIndexerKlParams{},
+                              make_view(&loss, DType::f32, {1}), backend);
+    EXPECT_EQ(loss, 0.0f) << backend_name(backend);
+  }
+}
+
 // Found by fuzz_kl_loss and fuzz_dense_indexer (their corpus keeps the inputs
 // as regression-negative-size-*): a hand-made index_key of -1 rows passed the
 // validation, since -1 is how the length planner spells "no key tensor", and

@@ -324,10 +324,13 @@ inline void corrupt(Input& in, dsa::CuSeqlens& cu) {
   }
 }
 
-// `max_q` queries and `max_extra` more keys per sequence at most; `ratio` (>= 1)
-// sizes the compressed extent. `self` makes Lk = Lq (the compressor's tokens).
+// `max_q` queries and `max_extra` more keys per sequence at most (with
+// compressed keys enough more for a few whole blocks); `ratio` (< 1 counts as
+// 1) sizes the compressed extent. `self` makes Lk = Lq (the compressor's tokens).
 inline Sequences sequences(Input& in, std::int64_t ratio, std::int64_t max_q, std::int64_t max_extra,
                            bool self = false) {
+  ratio = std::max<std::int64_t>(ratio, 1);
+  if (ratio > 1) max_extra = std::max(max_extra, 2 * std::min<std::int64_t>(ratio, 128) + 4);
   Sequences s;
   s.layout = in.layout();
   s.tnd = s.layout == dsa::Layout::TND;
@@ -364,6 +367,17 @@ inline Sequences sequences(Input& in, std::int64_t ratio, std::int64_t max_q, st
   corrupt(in, s.cu_q);
   corrupt(in, s.cu_k);
   return s;
+}
+
+// A cmp_ratio: mostly 1, 4 (CSA) or 128 (HCA), now and then anything.
+inline std::int64_t cmp_ratio(Input& in) { return in.param(in.pick<std::int64_t>({1, 4, 1, 128, 2, 3}), 300); }
+
+// The layout and length arrays of an op's params, from `seq`.
+template <class Params>
+void set_lengths(Params& params, const Sequences& seq) {
+  params.layout = seq.layout;
+  params.cu_seqlens_q = seq.cu_q;
+  params.cu_seqlens_k = seq.cu_k;
 }
 
 // The backends every input runs on, and a way to try an out-of-range one.
@@ -442,11 +456,13 @@ class Agreement {
 };
 
 // Multiply-adds of a call, to skip inputs too slow for a fuzzing loop (the
-// reference backend is quadratic). Sizes no tensor can have count as 1: such a
-// view must be rejected before any work, and skipping it would hide that.
-inline double work(std::initializer_list<std::int64_t> sizes) {
+// reference backend is quadratic), as a product of factors built from sizes
+// with plain(). Sizes no tensor can have count as 1: such a view must be
+// rejected before any work, and skipping it would hide that.
+inline double plain(std::int64_t size) { return size > 0 && size < (1ll << 32) ? static_cast<double>(size) : 1.0; }
+inline double work(std::initializer_list<double> factors) {
   double w = 1;
-  for (auto s : sizes) w *= (s > 0 && s < (1ll << 32)) ? static_cast<double>(s) : 1.0;
+  for (double f : factors) w *= f;
   return w;
 }
 inline constexpr double kMaxWork = 1 << 22;

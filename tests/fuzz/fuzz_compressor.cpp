@@ -14,15 +14,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (in.flag()) params.overlap = in.flag();
   const std::int64_t ratio = std::max<std::int64_t>(params.ratio, 1);
   const bool overlap = params.overlap.value_or(params.ratio == 4);
-  Sequences seq = sequences(in, ratio, ratio > 8 ? 400 : 40, 0, /*self=*/true);
+  const Sequences seq = sequences(in, ratio, ratio > 8 ? 400 : 40, 0, /*self=*/true);
   params.layout = seq.layout;
   params.cu_seqlens = seq.cu_q;
   params.num_threads = in.num_threads();
   const std::int64_t channels = in.size(24, 300);
-  std::int64_t in_channels = (overlap ? 2 : 1) * channels;
-  if (in.rare(16)) in_channels += 1;  // an odd width with overlap
+  // C = coff * c, or an odd width with overlap; an extreme c stays as it is.
+  std::int64_t in_channels = channels;
+  if (overlap && __builtin_mul_overflow(channels, 2, &in_channels)) in_channels = channels;
+  if (in.rare(16) && in_channels < std::numeric_limits<std::int64_t>::max()) in_channels += 1;
   const std::int64_t cmp_rows = seq.tnd ? seq.c_rows : seq.q_rows / ratio + (in.rare(16) ? 1 : 0);
-  if (work({seq.q_rows, in_channels, seq.batch, 4}) > kMaxWork) return 0;
+  if (work({plain(seq.q_rows), plain(in_channels), plain(seq.batch), 4}) > kMaxWork) return 0;
 
   Arena a(in);
   const DType dtype = in.float_dtype();

@@ -11,18 +11,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   choose_isa(in);
   // The KL loss reads raw keys only; the LSE alone may read compressed ones.
   dsa::DenseIndexerLseParams lse_params;
-  lse_params.cmp_ratio = in.rare(4) ? in.param(in.pick<std::int64_t>({4, 128, 2}), 300) : 1;
-  const std::int64_t ratio = std::max<std::int64_t>(lse_params.cmp_ratio, 1);
-  Sequences seq = sequences(in, ratio, 24, ratio > 1 ? 260 : 40);
-  lse_params.layout = seq.layout;
-  lse_params.cu_seqlens_q = seq.cu_q;
-  lse_params.cu_seqlens_k = seq.cu_k;
+  lse_params.cmp_ratio = in.rare(4) ? cmp_ratio(in) : 1;
+  const Sequences seq = sequences(in, lse_params.cmp_ratio, 24, 40);
+  set_lengths(lse_params, seq);
   lse_params.scale = in.real(0.5f);
   lse_params.num_threads = in.num_threads();
   dsa::DenseIndexerKlParams kl_params;
-  kl_params.layout = seq.layout;
-  kl_params.cu_seqlens_q = seq.cu_q;
-  kl_params.cu_seqlens_k = seq.cu_k;
+  set_lengths(kl_params, seq);
   kl_params.scale = in.real(0.125f);
   kl_params.index_scale = in.rare(8) ? in.real(0.5f) : lse_params.scale;
   kl_params.loss_coefficient = in.real(1.0f);
@@ -35,8 +30,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::int64_t index_heads = in.size(8, 70), index_dim = in.size(40, 300);
   const bool with_rope = in.rare(3);
   const std::int64_t rope_dim = with_rope ? in.size(16, 70) : 0;
-  const std::int64_t index_key_rows = ratio > 1 ? seq.c_rows : seq.k_rows;
-  if (seq.pairs * work({heads + index_heads, dim + rope_dim + index_dim}) > kMaxWork) return 0;
+  const std::int64_t index_key_rows = lse_params.cmp_ratio > 1 ? seq.c_rows : seq.k_rows;
+  if (work({seq.pairs, plain(heads) + plain(index_heads), plain(dim) + plain(rope_dim) + plain(index_dim)}) > kMaxWork) return 0;
 
   Arena a(in);
   const DType dtype = in.float_dtype(), index_dtype = in.float_dtype();

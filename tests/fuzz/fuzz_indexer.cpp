@@ -9,18 +9,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Input in(data, size);
   choose_isa(in);
   dsa::IndexerParams params;
-  params.cmp_ratio = in.param(in.pick<std::int64_t>({1, 4, 1, 128, 2, 3}), 300);
-  const std::int64_t ratio = std::max<std::int64_t>(params.cmp_ratio, 1);
-  Sequences seq = sequences(in, ratio, 40, ratio > 1 ? 300 : 60);
-  params.layout = seq.layout;
-  params.cu_seqlens_q = seq.cu_q;
-  params.cu_seqlens_k = seq.cu_k;
+  params.cmp_ratio = cmp_ratio(in);
+  const Sequences seq = sequences(in, params.cmp_ratio, 40, 60);
+  set_lengths(params, seq);
   params.topk = in.param(in.range(1, 70), 3000);
   params.scale = in.real(0.5f);
   params.num_threads = in.num_threads();
   const std::int64_t heads = in.size(8, 80), dim = in.size(40, 600);
-  const std::int64_t key_rows = ratio > 1 ? seq.c_rows : seq.k_rows;
-  if (work({seq.q_rows, key_rows, heads, dim, seq.batch}) > kMaxWork) return 0;
+  const std::int64_t key_rows = params.cmp_ratio > 1 ? seq.c_rows : seq.k_rows;
+  if (work({plain(seq.q_rows), plain(key_rows), plain(heads), plain(dim), plain(seq.batch)}) > kMaxWork) return 0;
 
   Arena a(in);
   const DType dtype = in.float_dtype();

@@ -10,12 +10,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Input in(data, size);
   choose_isa(in);
   dsa::KlLossParams params;
-  params.cmp_ratio = in.param(in.pick<std::int64_t>({1, 4, 1, 128, 2}), 300);
-  const std::int64_t ratio = std::max<std::int64_t>(params.cmp_ratio, 1);
-  Sequences seq = sequences(in, ratio, 24, ratio > 1 ? 260 : 40);
-  params.layout = seq.layout;
-  params.cu_seqlens_q = seq.cu_q;
-  params.cu_seqlens_k = seq.cu_k;
+  params.cmp_ratio = cmp_ratio(in);
+  const Sequences seq = sequences(in, params.cmp_ratio, 24, 40);
+  set_lengths(params, seq);
   params.scale = in.real(0.125f);
   params.index_scale = in.real(0.5f);
   params.loss_coefficient = in.real(1.0f);
@@ -27,8 +24,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::int64_t topk = in.size(16, 300);
   const bool with_rope = in.rare(3), with_sinks = in.flag(), with_score_grad = !in.rare(8);
   const std::int64_t rope_dim = with_rope ? in.size(16, 70) : 0;
-  const std::int64_t key_rows = ratio > 1 ? seq.c_rows : seq.k_rows;
-  if (work({seq.q_rows, topk, heads + index_heads, dim + rope_dim + index_dim, seq.batch}) > kMaxWork) return 0;
+  const std::int64_t key_rows = params.cmp_ratio > 1 ? seq.c_rows : seq.k_rows;
+  if (work({plain(seq.q_rows), plain(topk), plain(heads) + plain(index_heads),
+            plain(dim) + plain(rope_dim) + plain(index_dim), plain(seq.batch)}) > kMaxWork) return 0;
 
   Arena a(in);
   const DType dtype = in.float_dtype(), index_dtype = in.float_dtype();

@@ -11,19 +11,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Input in(data, size);
   choose_isa(in);
   dsa::SparseAttentionParams params;
-  params.cmp_ratio = in.param(in.pick<std::int64_t>({1, 4, 1, 128, 2}), 300);
-  const std::int64_t ratio = std::max<std::int64_t>(params.cmp_ratio, 1);
-  Sequences seq = sequences(in, ratio, 24, ratio > 1 ? 260 : 40);
-  params.layout = seq.layout;
-  params.cu_seqlens_q = seq.cu_q;
-  params.cu_seqlens_k = seq.cu_k;
+  params.cmp_ratio = cmp_ratio(in);
+  const Sequences seq = sequences(in, params.cmp_ratio, 24, 40);
+  set_lengths(params, seq);
   params.scale = in.real(0.125f);
   params.num_threads = in.num_threads();
   const std::int64_t heads = in.size(4, 70), dim = in.size(40, 600);
   params.d_v = in.param(in.flag() ? 0 : in.range(1, std::max<std::int64_t>(dim, 1)), 700);
 
   const bool with_indices = in.flag();
-  const bool with_cmp = ratio > 1 || in.rare(16);  // the second: cmp_kv without a ratio
+  const bool with_cmp = params.cmp_ratio > 1 || in.rare(16);  // the second: cmp_kv without a ratio
   const bool with_cmp_indices = with_cmp && in.flag();
   const bool with_rope = in.rare(with_cmp ? 16 : 3);
   const bool with_sinks = in.flag();
@@ -32,8 +29,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::int64_t cmp_topk = with_cmp_indices ? in.size(8, 100) : 0;
   const std::int64_t rope_dim = with_rope ? in.size(16, 70) : 0;
   const std::int64_t d_v = params.d_v > 0 && params.d_v <= dim ? params.d_v : dim;
-  const double per_query = static_cast<double>(topk + cmp_topk + (with_indices ? 0 : seq.k_rows) + seq.c_rows);
-  if (per_query * work({seq.q_rows, heads, dim + rope_dim, seq.batch}) > kMaxWork) return 0;
+  const double per_query = plain(topk) + plain(cmp_topk) + (with_indices ? 0 : plain(seq.k_rows)) + plain(seq.c_rows);
+  if (work({per_query, plain(seq.q_rows), plain(heads), plain(dim) + plain(rope_dim), plain(seq.batch)}) > kMaxWork)
+    return 0;
 
   Arena a(in);
   const DType dtype = in.float_dtype();
