@@ -1,6 +1,7 @@
 // dsa::sparse_attention_fwd / _bwd: validation, problem set-up and backend dispatch.
 #include "ops/sparse_attention.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/thread_pool.h"
@@ -155,6 +156,13 @@ SparseAttentionProblem set_up(const SparseAttentionInputs& in, const SparseAtten
   spec.cu_q = &params.cu_seqlens_q;
   spec.cu_k = &params.cu_seqlens_k;
   p.plan = plan_sequences(spec);
+  // A band at least as wide as every sequence's keys is the whole causal set;
+  // clamping it there changes no row's keys and keeps the kernels' band
+  // arithmetic (first + count + window) from overflowing for window = INT64_MAX
+  // (found by fuzz_sparse_attention).
+  std::int64_t longest = 1;
+  for (const auto& seq : p.plan.seqs) longest = std::max(longest, seq.k_len);
+  p.window = std::min(p.window, longest);
   p.num_threads = resolve_num_threads(params.num_threads);
   return p;
 }

@@ -517,6 +517,11 @@ TEST(KlLoss, NoQueryRowsWithHugeHeadsOrDims) {
                               make_view(&f, DType::f32, {0}), TensorView{}, TensorView{}, DenseIndexerKlParams{},
                               make_view(&loss, DType::f32, {1}), backend);
     EXPECT_EQ(loss, 0.0f) << backend_name(backend);
+    // The backward with Di = 2^40 (its per-thread dq buffers).
+    const TensorView wide_iq = empty(&f, DType::f32, {0, 1, 1}, 2), wide_ik = empty(&f, DType::f32, {0, 1}, 1);
+    dense_indexer_kl_loss_bwd(wide_iq, wide_ik, none, iq, none, make_view(&f, DType::f32, {0, 1}),
+                              make_view(&f, DType::f32, {0, 1}), make_view(&f, DType::f32, {0}), TensorView{},
+                              TensorView{}, 1.0f, DenseIndexerKlParams{}, wide_iq, wide_ik, none, backend);
   }
 }
 

@@ -485,6 +485,45 @@ TEST(SparseAttention, EmptyQueryWhoseRowSizeOverflowsIsRejected) {
   }
 }
 
+// Found by fuzz_sparse_attention (corpus: regression-huge-window-*): window =
+// INT64_MAX is accepted and means "every causal key", but the fused backward's
+// band arithmetic (first + count + window) overflowed, which here wrapped into
+// an empty band and left dkv without its contributions. It must equal the
+// dense causal window = 0, bit for bit.
+TEST(SparseAttention, HugeWindowIsDenseCausal) {
+  const std::int64_t T = 8, S = 80, H = 2, D = 8;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  auto random = [&](std::int64_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = dist(rng);
+    return v;
+  };
+  std::vector<float> q = random(T * H * D), kv = random(S * D), go = random(T * H * D);
+  SparseAttentionInputs in;
+  in.query = make_view(q.data(), DType::f32, {T, H, D});
+  in.kv = make_view(kv.data(), DType::f32, {S, D});
+  std::vector<float> dkv[2];
+  for (int run = 0; run < 2; ++run) {
+    SparseAttentionParams params;
+    params.scale = 0.3f;
+    params.window = run == 0 ? 0 : std::numeric_limits<std::int64_t>::max();
+    std::vector<float> out(T * H * D), mx(T * H), sm(T * H), dq(T * H * D);
+    dkv[run].assign(S * D, -1.0f);
+    sparse_attention_fwd(in, params, make_view(out.data(), DType::f32, {T, H, D}),
+                         make_view(mx.data(), DType::f32, {T, H}), make_view(sm.data(), DType::f32, {T, H}),
+                         Backend::cpu);
+    SparseAttentionGrads g;
+    g.d_query = make_view(dq.data(), DType::f32, {T, H, D});
+    g.d_kv = make_view(dkv[run].data(), DType::f32, {S, D});
+    sparse_attention_bwd(in, params, make_view(go.data(), DType::f32, {T, H, D}),
+                         make_view(out.data(), DType::f32, {T, H, D}), make_view(mx.data(), DType::f32, {T, H}),
+                         make_view(sm.data(), DType::f32, {T, H}), g, Backend::cpu);
+  }
+  EXPECT_EQ(dkv[0], dkv[1]);
+  EXPECT_NE(dkv[0][(S - 1) * D], 0.0f);  // the last key is attended: its gradient is not 0
+}
+
 TEST(SparseAttention, BadInputsThrowAndWriteNothing) {
   Config c = tnd({4}, {6});
   c.heads = 2;

@@ -173,8 +173,13 @@ class Arena {
     for (int d = 0; d < v.ndim; ++d) v.shape[d] = shape[d];
     if (in_.rare(64)) v.device = dsa::Device::cuda;
 
-    // Strides in elements: contiguous unless the input asks otherwise.
-    const int mode = in_.rare(6) ? static_cast<int>(in_.range(1, 4)) : 0;
+    // Strides in elements: contiguous unless the input asks otherwise. Sizes
+    // from 2^32 up get no zero or overlapping strides: with them a view of a
+    // few elements could claim work no run can do (the library has no
+    // resource limit of its own), and the harness could not bound it.
+    int mode = in_.rare(6) ? static_cast<int>(in_.range(1, 4)) : 0;
+    for (int d = 0; d < v.ndim; ++d)
+      if (mode >= 2 && shape[d] >= (1ll << 32)) mode = 0;
     std::int64_t expected = 1;
     for (int d = v.ndim - 1; d >= 0; --d) {
       std::int64_t stride = expected;
@@ -250,9 +255,12 @@ class Arena {
     if (verbose) {
       std::fprintf(stderr, "view %zu: %s%s shape [", buffers_.size(), dsa::dtype_name(v.dtype),
                    v.device == dsa::Device::cuda ? " cuda" : "");
-      for (int d = 0; d < v.ndim; ++d) std::fprintf(stderr, "%s%lld", d ? ", " : "", static_cast<long long>(v.shape[d]));
+      auto list = [&](const std::int64_t* values) {
+        for (int d = 0; d < v.ndim; ++d) std::fprintf(stderr, "%s%lld", d ? ", " : "", static_cast<long long>(values[d]));
+      };
+      list(v.shape);
       std::fprintf(stderr, "] strides [");
-      for (int d = 0; d < v.ndim; ++d) std::fprintf(stderr, "%s%lld", d ? ", " : "", static_cast<long long>(v.strides[d]));
+      list(v.strides);
       std::fprintf(stderr, "]\n");
     }
     const std::int64_t n = elements(v);
@@ -457,9 +465,14 @@ class Agreement {
 
 // Multiply-adds of a call, to skip inputs too slow for a fuzzing loop (the
 // reference backend is quadratic), as a product of factors built from sizes
-// with plain(). Sizes no tensor can have count as 1: such a view must be
-// rejected before any work, and skipping it would hide that.
-inline double plain(std::int64_t size) { return size > 0 && size < (1ll << 32) ? static_cast<double>(size) : 1.0; }
+// with plain(). A zero size means no work, so such an input always runs
+// (empty tensors with huge other sizes found real bugs). Sizes no tensor with
+// elements can have (negative, 2^32 and up: view() gives such views no zero or
+// overlapping strides, so their extent overflows) count as 1: the library
+// must reject them before any work, and skipping them would hide that.
+inline double plain(std::int64_t size) {
+  return size >= 0 && size < (1ll << 32) ? static_cast<double>(size) : 1.0;
+}
 inline double work(std::initializer_list<double> factors) {
   double w = 1;
   for (double f : factors) w *= f;

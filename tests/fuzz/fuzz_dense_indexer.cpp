@@ -31,7 +31,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const bool with_rope = in.rare(3);
   const std::int64_t rope_dim = with_rope ? in.size(16, 70) : 0;
   const std::int64_t index_key_rows = lse_params.cmp_ratio > 1 ? seq.c_rows : seq.k_rows;
-  if (work({seq.pairs, plain(heads) + plain(index_heads), plain(dim) + plain(rope_dim) + plain(index_dim)}) > kMaxWork) return 0;
+  const double pairs = seq.pairs + plain(seq.q_rows) * plain(seq.batch);  // + per-row work
+  if (work({pairs, plain(heads) + plain(index_heads), plain(dim) + plain(rope_dim) + plain(index_dim)}) > kMaxWork)
+    return 0;
 
   Arena a(in);
   const DType dtype = in.float_dtype(), index_dtype = in.float_dtype();

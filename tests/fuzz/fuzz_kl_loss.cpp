@@ -25,7 +25,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const bool with_rope = in.rare(3), with_sinks = in.flag(), with_score_grad = !in.rare(8);
   const std::int64_t rope_dim = with_rope ? in.size(16, 70) : 0;
   const std::int64_t key_rows = params.cmp_ratio > 1 ? seq.c_rows : seq.k_rows;
-  if (work({plain(seq.q_rows), plain(topk), plain(heads) + plain(index_heads),
+  if (work({plain(seq.q_rows), plain(topk) + 1, plain(heads) + plain(index_heads),
             plain(dim) + plain(rope_dim) + plain(index_dim), plain(seq.batch)}) > kMaxWork) return 0;
 
   Arena a(in);

@@ -29,7 +29,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::int64_t cmp_topk = with_cmp_indices ? in.size(8, 100) : 0;
   const std::int64_t rope_dim = with_rope ? in.size(16, 70) : 0;
   const std::int64_t d_v = params.d_v > 0 && params.d_v <= dim ? params.d_v : dim;
-  const double per_query = plain(topk) + plain(cmp_topk) + (with_indices ? 0 : plain(seq.k_rows)) + plain(seq.c_rows);
+  const double per_query =  // + 1: per-row work
+      plain(topk) + plain(cmp_topk) + (with_indices ? 0 : plain(seq.k_rows)) + plain(seq.c_rows) + 1;
   if (work({per_query, plain(seq.q_rows), plain(heads), plain(dim) + plain(rope_dim), plain(seq.batch)}) > kMaxWork)
     return 0;
 
