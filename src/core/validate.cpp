@@ -92,6 +92,12 @@ void require_contiguous(const TensorView& t, const char* name) {
   if (!t.is_contiguous()) fail_argument(name, ": expected a contiguous tensor");
 }
 
+void require_rope_dim_fits(std::int64_t dim, std::int64_t rope_dim) {
+  std::int64_t sum;
+  if (__builtin_add_overflow(dim, rope_dim, &sum))
+    fail_argument("query_rope: D + Dr = ", dim, " + ", rope_dim, " overflows int64");
+}
+
 void require_float_input(const TensorView& t, const char* name, std::initializer_list<int> ndims,
                          const char* expected_shape) {
   require_present(t, name);

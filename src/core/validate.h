@@ -50,6 +50,11 @@ void require_size(const TensorView& t, const char* name, int dim, std::int64_t e
 void require_last_dim_contiguous(const TensorView& t, const char* name);
 void require_contiguous(const TensorView& t, const char* name);
 
+// query_rope beside query: each row holds D + Dr values, a sum the kernels
+// take first; both sizes can be valid (an empty tensor's dims are bounded by
+// no memory) while the sum overflows int64 (found by fuzz_kl_loss).
+void require_rope_dim_fits(std::int64_t dim, std::int64_t rope_dim);
+
 // A floating tensor (bf16/fp16/fp32) on the CPU with a unit-stride last dim.
 void require_float_input(const TensorView& t, const char* name, std::initializer_list<int> ndims,
                          const char* expected_shape);

@@ -93,6 +93,7 @@ SparseAttentionProblem set_up(const SparseAttentionInputs& in, const SparseAtten
     for (int d = 0; d <= s.lead; ++d)
       require_size(in.key_rope, "key_rope", d, in.kv.size(d), "the leading dims of kv");
     require_size(in.key_rope, "key_rope", -1, in.query_rope.size(-1), "Dr of query_rope");
+    require_rope_dim_fits(dim, in.query_rope.size(-1));
     if (in.query_rope.size(-1) <= 0) fail_argument("query_rope: expected a non-empty rope dim");
     if (in.cmp_kv.present())
       fail_argument("query_rope/key_rope: cannot be combined with cmp_kv (compressed entries have no "

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -522,6 +523,27 @@ TEST(KlLoss, NoQueryRowsWithHugeHeadsOrDims) {
     dense_indexer_kl_loss_bwd(wide_iq, wide_ik, none, iq, none, make_view(&f, DType::f32, {0, 1}),
                               make_view(&f, DType::f32, {0, 1}), make_view(&f, DType::f32, {0}), TensorView{},
                               TensorView{}, 1.0f, DenseIndexerKlParams{}, wide_iq, wide_ik, none, backend);
+  }
+}
+
+// Found by fuzz_kl_loss (corpus: regression-rope-dim-overflow-*): with no rows,
+// query [0, 1, 1] and query_rope [0, 1, INT64_MAX] are each valid, but the
+// fused forward first sums D + Dr, which overflowed int64. Rejected now.
+TEST(KlLoss, RopeDimWhoseSumWithDOverflowsIsRejected) {
+  float f = 0, loss = 0;
+  std::int32_t idx = 0;
+  TensorView query_rope = make_view(&f, DType::f32, {0, 1, 1}), key_rope = make_view(&f, DType::f32, {0, 1});
+  query_rope.shape[2] = key_rope.shape[1] = std::numeric_limits<std::int64_t>::max();
+  const TensorView rows = make_view(&f, DType::f32, {0, 1}), heads = make_view(&f, DType::f32, {0, 1, 1});
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    try {
+      kl_loss_fwd(heads, rows, make_view(&idx, DType::i32, {0, 1}), rows, rows, heads, rows, rows, TensorView{},
+                  query_rope, key_rope, KlLossParams{}, make_view(&loss, DType::f32, {1}), TensorView{}, backend);
+      ADD_FAILURE() << "accepted D + Dr beyond int64";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("query_rope"), std::string::npos) << e.what();
+    }
   }
 }
 
