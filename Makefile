@@ -54,7 +54,7 @@ test-sanitize: setup
 # fuzzes a little. -O1: the kernels stay fast enough under ASan to fuzz.
 FUZZ_BUILD      := $(BUILD)-fuzz
 FUZZ_SECONDS    ?= 120
-FUZZ_CI_SECONDS ?= 20
+FUZZ_CI_SECONDS ?= 15
 
 fuzz-build: setup
 	cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
