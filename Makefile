@@ -5,7 +5,7 @@ BUILD   := build
 JOBS    ?= $(shell nproc)
 PYENV   := PYTHONPATH=$(CURDIR)/python
 
-.PHONY: setup build run bench-quick test test-cpp test-python test-install test-sanitize bench clean
+.PHONY: setup build run bench-quick test test-cpp test-python test-install test-sanitize fuzz-build fuzz test-fuzz bench clean
 
 setup:
 	@bash tools/setup.sh
@@ -31,7 +31,7 @@ bench-quick: build
 bench: build
 	$(PYENV) $(PY) -m dsa.bench --json $(BUILD)/bench.json
 
-test: build test-cpp test-python test-install test-sanitize
+test: build test-cpp test-python test-install test-sanitize test-fuzz
 
 test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
@@ -48,5 +48,24 @@ test-sanitize: setup
 	cmake --build $(BUILD)-sanitize -j $(JOBS)
 	cd $(BUILD)-sanitize && ctest --output-on-failure -j $(JOBS)
 
+# libFuzzer targets of tests/fuzz (clang 14, ASan + UBSan), one per op family.
+# `make fuzz` runs each for FUZZ_SECONDS; `make test` runs each for
+# FUZZ_CI_SECONDS, which replays the seed corpus (past findings included) and
+# fuzzes a little. -O1: the kernels stay fast enough under ASan to fuzz.
+FUZZ_BUILD      := $(BUILD)-fuzz
+FUZZ_SECONDS    ?= 120
+FUZZ_CI_SECONDS ?= 15
+
+fuzz-build: setup
+	cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" -DDSA_BUILD_FUZZ=ON
+	cmake --build $(FUZZ_BUILD) -j $(JOBS)
+
+fuzz: fuzz-build
+	bash tools/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(JOBS)
+
+test-fuzz: fuzz-build
+	bash tools/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_CI_SECONDS) $(JOBS)
+
 clean:
-	rm -rf $(BUILD) $(BUILD)-sanitize
+	rm -rf $(BUILD) $(BUILD)-sanitize $(FUZZ_BUILD)

@@ -4,7 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-apt_packages=(cmake ninja-build g++ libgtest-dev libbenchmark-dev python3-venv)
+# clang-14 and libclang-rt-14-dev: the libFuzzer build of tests/fuzz (make fuzz).
+apt_packages=(cmake ninja-build g++ libgtest-dev libbenchmark-dev python3-venv clang-14 libclang-rt-14-dev)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -28,14 +28,23 @@ inline std::uint16_t float_to_bf16(float f) {
   return static_cast<std::uint16_t>(u >> 16);
 }
 
+// IEEE half. clang before 15 has no _Float16 on x86 without AVX512-FP16; its
+// storage-only __fp16 converts the same way (in hardware with -mf16c, which
+// the clang 14 fuzz build of tests/fuzz passes).
+#if defined(__clang__) && __clang_major__ < 15
+using Half = __fp16;
+#else
+using Half = _Float16;
+#endif
+
 inline float f16_to_float(std::uint16_t bits) {
-  _Float16 h;
+  Half h;
   std::memcpy(&h, &bits, 2);
   return static_cast<float>(h);
 }
 
 inline std::uint16_t float_to_f16(float f) {
-  _Float16 h = static_cast<_Float16>(f);
+  Half h = static_cast<Half>(f);
   std::uint16_t bits;
   std::memcpy(&bits, &h, 2);
   return bits;

@@ -10,8 +10,10 @@ void check_cu(const CuSeqlens& cu, const char* name) {
     fail_argument(name, ": internal cu_seqlens must start with 0 (B+1 entries)");
   for (std::size_t b = 1; b < cu.size(); ++b)
     if (cu[b] < cu[b - 1])
+      // The ends, not their difference: that overflows int64 for an end such as
+      // INT64_MIN after a positive one (found by fuzz_indexer).
       fail_argument(name, ": lengths must be non-negative and cumulative ends non-decreasing; ",
-                    "sequence ", b - 1, " has length ", cu[b] - cu[b - 1]);
+                    "sequence ", b - 1, " ends at ", cu[b], " before its start ", cu[b - 1]);
 }
 
 CuSeqlens full(std::int64_t batch, std::int64_t extent) {

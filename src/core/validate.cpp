@@ -1,5 +1,7 @@
 #include "core/validate.h"
 
+#include <limits>
+
 namespace dsa::core {
 
 std::string shape_string(const TensorView& t) {
@@ -17,7 +19,36 @@ void require_present(const TensorView& t, const char* name) {
   if (!t.present()) fail_argument(name, ": expected a tensor, got None");
 }
 
+void require_addressable(const TensorView& t, const char* name) {
+  if (!t.present()) return;
+  if (t.ndim > kMaxDims) fail_argument(name, ": expected at most ", kMaxDims, " dims, got ", t.ndim);
+  // The product of the non-zero sizes, too, must fit: the ops multiply sizes
+  // (row sizes, contiguity checks) before they look for an empty dim, so
+  // [0, 3, INT64_MAX] overflowed in is_contiguous (found by fuzz_sparse_attention).
+  std::int64_t numel = 1, nonzero = 1;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] < 0) fail_argument(name, ": dim ", d, " has a negative size in shape ", shape_string(t));
+    if (__builtin_mul_overflow(nonzero, t.shape[d] > 0 ? t.shape[d] : 1, &nonzero))
+      fail_argument(name, ": the number of elements of shape ", shape_string(t), " overflows int64");
+    numel *= t.shape[d];  // <= nonzero
+  }
+  if (numel == 0) return;  // nothing is addressed, whatever the strides say
+  std::int64_t last = 0;  // offset of the farthest element, in elements
+  for (int d = 0; d < t.ndim; ++d) {
+    const std::int64_t stride = t.strides[d] < 0 ? -t.strides[d] : t.strides[d];
+    std::int64_t span;
+    if (t.strides[d] == std::numeric_limits<std::int64_t>::min() ||
+        __builtin_mul_overflow(t.shape[d] - 1, stride, &span) || __builtin_add_overflow(last, span, &last))
+      fail_argument(name, ": stride ", t.strides[d], " of dim ", d, " in shape ", shape_string(t),
+                    " addresses offsets beyond int64");
+  }
+  std::int64_t bytes;
+  if (__builtin_mul_overflow(last + 1, static_cast<std::int64_t>(dtype_size(t.dtype)), &bytes))
+    fail_argument(name, ": shape ", shape_string(t), " with its strides addresses more bytes than int64 holds");
+}
+
 void require_cpu(const TensorView& t, const char* name) {
+  require_addressable(t, name);
   if (t.device != Device::cpu)
     fail_argument(name, ": expected a CPU tensor for this backend, got a ", device_name(t.device),
                   " tensor");
@@ -64,6 +95,12 @@ void require_last_dim_contiguous(const TensorView& t, const char* name) {
 
 void require_contiguous(const TensorView& t, const char* name) {
   if (!t.is_contiguous()) fail_argument(name, ": expected a contiguous tensor");
+}
+
+void require_rope_dim_fits(std::int64_t dim, std::int64_t rope_dim) {
+  std::int64_t sum;
+  if (__builtin_add_overflow(dim, rope_dim, &sum))
+    fail_argument("query_rope: D + Dr = ", dim, " + ", rope_dim, " overflows int64");
 }
 
 void require_float_input(const TensorView& t, const char* name, std::initializer_list<int> ndims,

@@ -32,6 +32,15 @@ template <class... Parts>
 std::string shape_string(const TensorView& t);
 
 void require_present(const TensorView& t, const char* name);
+// What any view must be, whatever its op: at most kMaxDims dims, no negative
+// size, and an element count (also that of its non-zero sizes alone) and a
+// byte extent that fit in int64. A hand-made
+// view can claim anything, and the kernels compute offsets as index * stride
+// and size buffers from the shape, so such a view would wrap an offset or ask
+// for an impossible allocation instead of failing. Absent views pass.
+void require_addressable(const TensorView& t, const char* name);
+// Also runs require_addressable: every op checks each view it touches here
+// first, before it reads the view's shape.
 void require_cpu(const TensorView& t, const char* name);
 void require_dtype(const TensorView& t, const char* name, std::initializer_list<DType> allowed);
 void require_ndim(const TensorView& t, const char* name, std::initializer_list<int> allowed,
@@ -44,6 +53,11 @@ void require_last_dim_contiguous(const TensorView& t, const char* name);
 // found a BSND call with Sq = 0 rejected: torch gives such a tensor stride(0) != 0).
 void require_mergeable_rows(const TensorView& t, const char* name);
 void require_contiguous(const TensorView& t, const char* name);
+
+// query_rope beside query: each row holds D + Dr values, a sum the kernels
+// take first; both sizes can be valid (an empty tensor's dims are bounded by
+// no memory) while the sum overflows int64 (found by fuzz_kl_loss).
+void require_rope_dim_fits(std::int64_t dim, std::int64_t rope_dim);
 
 // A floating tensor (bf16/fp16/fp32) on the CPU with a unit-stride last dim.
 void require_float_input(const TensorView& t, const char* name, std::initializer_list<int> ndims,

@@ -83,6 +83,7 @@ DenseKlProblem make_dense_kl(const TensorView& index_query, const TensorView& in
     for (int d = 0; d < 2 + lead; ++d) require_size(query_rope, "query_rope", d, query.size(d), "the leading dims and heads of query");
     for (int d = 0; d < key.ndim - 1; ++d) require_size(key_rope, "key_rope", d, key.size(d), "the leading dims and heads of key");
     require_size(key_rope, "key_rope", -1, query_rope.size(-1), "Dr of query_rope");
+    require_rope_dim_fits(query.size(-1), query_rope.size(-1));
   }
   if (!std::isfinite(params.scale)) fail_argument("scale: expected a finite number, got ", params.scale);
   if (!std::isfinite(params.index_scale)) fail_argument("index_scale: expected a finite number, got ", params.index_scale);

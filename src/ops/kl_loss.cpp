@@ -173,6 +173,7 @@ void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView
     if (key_rope.ndim == 3 + lead) require_size(key_rope, "key_rope", 1 + lead, 1, "one shared key head");
     for (int d = 0; d <= lead; ++d) require_size(key_rope, "key_rope", d, kv.size(d), "the leading dims of kv");
     require_size(key_rope, "key_rope", -1, query_rope.size(-1), "Dr of query_rope");
+    require_rope_dim_fits(query.size(-1), query_rope.size(-1));
   }
   if (!std::isfinite(params.scale)) fail_argument("scale: expected a finite number, got ", params.scale);
   require_present(loss, "loss");

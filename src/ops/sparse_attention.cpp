@@ -1,6 +1,7 @@
 // dsa::sparse_attention_fwd / _bwd: validation, problem set-up and backend dispatch.
 #include "ops/sparse_attention.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/memory.h"
@@ -92,6 +93,7 @@ SparseAttentionProblem set_up(const SparseAttentionInputs& in, const SparseAtten
     for (int d = 0; d <= s.lead; ++d)
       require_size(in.key_rope, "key_rope", d, in.kv.size(d), "the leading dims of kv");
     require_size(in.key_rope, "key_rope", -1, in.query_rope.size(-1), "Dr of query_rope");
+    require_rope_dim_fits(dim, in.query_rope.size(-1));
     if (in.query_rope.size(-1) <= 0) fail_argument("query_rope: expected a non-empty rope dim");
     if (in.cmp_kv.present())
       fail_argument("query_rope/key_rope: cannot be combined with cmp_kv (compressed entries have no "
@@ -155,6 +157,13 @@ SparseAttentionProblem set_up(const SparseAttentionInputs& in, const SparseAtten
   spec.cu_q = &params.cu_seqlens_q;
   spec.cu_k = &params.cu_seqlens_k;
   p.plan = plan_sequences(spec);
+  // A band at least as wide as every sequence's keys is the whole causal set;
+  // clamping it there changes no row's keys and keeps the kernels' band
+  // arithmetic (first + count + window) from overflowing for window = INT64_MAX
+  // (found by fuzz_sparse_attention).
+  std::int64_t longest = 1;
+  for (const auto& seq : p.plan.seqs) longest = std::max(longest, seq.k_len);
+  p.window = std::min(p.window, longest);
   p.num_threads = resolve_num_threads(params.num_threads);
   return p;
 }

@@ -91,7 +91,9 @@ void sparse_attention_fwd(const SparseAttentionProblem& p) {
       p.softmax_max[r * H + h] = core::kNegInf;
       p.softmax_sum[r * H + h] = 0.0f;
     }
-  std::vector<double> logits, acc(dv);
+  // Per-row scratch only when there are rows: without them H and d_v are
+  // bounded by no memory (a [0, 2^40, 1] query is legal; found by fuzz_sparse_attention).
+  std::vector<double> logits, acc(p.plan.q_rows ? dv : 0);
   for (const auto& seq : p.plan.seqs)
     for (std::int64_t i = 0; i < seq.q_len; ++i) {
       const std::int64_t row = seq.q_begin + i;
@@ -126,8 +128,9 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   std::vector<double> d_query(p.plan.q_rows * H * Dqk, 0.0);
   std::vector<double> d_kv(p.kv_rows * Dqk, 0.0);  // rope dims live at [D, Dqk)
   std::vector<double> d_cmp(p.cmp_rows * D, 0.0);
-  std::vector<double> d_sinks(H, 0.0);
-  std::vector<double> grad(dv);
+  // As in the forward: nothing sized from H or d_v alone unless rows (or sinks) exist.
+  std::vector<double> d_sinks(p.d_sinks ? H : 0, 0.0);
+  std::vector<double> grad(p.plan.q_rows ? dv : 0);
 
   for (const auto& seq : p.plan.seqs)
     for (std::int64_t i = 0; i < seq.q_len; ++i) {

@@ -6,7 +6,9 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -340,6 +342,29 @@ TEST(Compressor, BadInputsThrowAndWriteNothing) {
   expect_error([&] { call(p.params, too_many); }, "position_bias");
   for (std::size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out.get(i), 5.0f);
   EXPECT_EQ(dsa::compressed_cu_seqlens({0, 3, 11, 20}, 4), (dsa::CuSeqlens{0, 0, 2, 4}));
+}
+
+// Found by fuzz_compressor (its corpus keeps the input as
+// regression-numel-overflow-*): ratio = INT64_MAX with a position_bias of that
+// many rows passed the shape checks, and counting its elements overflowed
+// int64 (undefined behaviour; the wrapped count then read as "empty").
+TEST(Compressor, PositionBiasWhoseElementCountOverflowsIsRejected) {
+  std::uint16_t kv = 0, gate = 0, out = 0;
+  float bias[4] = {};
+  dsa::CompressorParams params;
+  params.ratio = std::numeric_limits<std::int64_t>::max();
+  dsa::TensorView huge_bias = dsa::make_view(bias, DType::f32, {2, 2});
+  huge_bias.shape[0] = params.ratio;
+  for (dsa::Backend backend : {dsa::Backend::reference, dsa::Backend::cpu}) {
+    try {
+      dsa::compressor_fwd(dsa::make_view(&kv, DType::bf16, {0, 2}), dsa::make_view(&gate, DType::bf16, {0, 2}),
+                          huge_bias, params, dsa::make_view(&out, DType::bf16, {0, 2}), backend);
+      ADD_FAILURE() << "accepted a position_bias of INT64_MAX x 2 elements";
+    } catch (const dsa::Error& e) {
+      EXPECT_EQ(e.kind(), dsa::ErrorKind::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("position_bias"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace

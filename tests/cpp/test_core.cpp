@@ -160,6 +160,42 @@ TEST(TensorViews, MakeViewIsContiguousAndChecksItsShape) {
   }
 }
 
+// Hand-made views that no tensor can be: more dims than a view holds, a
+// negative size, more elements than int64 counts, or strides whose offsets
+// overflow int64 (the kernels compute index * stride, which would wrap).
+// Every op rejects them with invalid_argument naming the argument; shown
+// here on the indexer, whose query passes the same check as any view.
+TEST(TensorViews, ViewsNoTensorCanBeAreRejected) {
+  std::vector<float> q(4 * 2 * 8, 0.5f), k(6 * 8, 0.5f), w(4 * 2, 1.0f);
+  std::vector<std::int32_t> indices(4 * 3);
+  const dsa::TensorView good = dsa::make_view(q.data(), dsa::DType::f32, {4, 2, 8});
+  std::vector<dsa::TensorView> bad(4, good);
+  bad[0].ndim = dsa::kMaxDims + 1;
+  bad[1].shape[1] = -2;
+  bad[2].shape[0] = std::int64_t{1} << 40;  // 2^40 * 2^40 * 8 elements, with zero strides: no extent at all
+  bad[2].shape[1] = std::int64_t{1} << 40;
+  bad[2].strides[0] = bad[2].strides[1] = 0;
+  bad[3].strides[0] = std::int64_t{1} << 62;  // row 2 sits at 2^63 elements
+  dsa::IndexerParams params;
+  params.topk = 3;
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    dsa::indexer_topk(good, dsa::make_view(k.data(), dsa::DType::f32, {6, 8}),
+                      dsa::make_view(w.data(), dsa::DType::f32, {4, 2}), params,
+                      dsa::make_view(indices.data(), dsa::DType::i32, {4, 3}), dsa::TensorView{}, backend);
+    for (std::size_t i = 0; i < bad.size(); ++i) {
+      try {
+        dsa::indexer_topk(bad[i], dsa::make_view(k.data(), dsa::DType::f32, {6, 8}),
+                          dsa::make_view(w.data(), dsa::DType::f32, {4, 2}), params,
+                          dsa::make_view(indices.data(), dsa::DType::i32, {4, 3}), dsa::TensorView{}, backend);
+        ADD_FAILURE() << "accepted bad view " << i;
+      } catch (const Error& e) {
+        EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+        EXPECT_NE(std::string(e.what()).find("index_query"), std::string::npos) << e.what();
+      }
+    }
+  }
+}
+
 TEST(WorkspaceCache, ReusesIdleBuffersWithinItsLimit) {
   const std::size_t old_limit = dsa::workspace_cache_limit();
   constexpr std::size_t kMiB = std::size_t{1} << 20;

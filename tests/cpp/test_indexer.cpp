@@ -641,6 +641,23 @@ TEST(Indexer, CudaBackendIsNotBuiltAndSaysSo) {
   EXPECT_TRUE(std::all_of(idx.begin(), idx.end(), [](std::int32_t v) { return v == 12345; }));
 }
 
+// Found by fuzz_indexer (corpus: regression-topk-overflow-*): with no query
+// rows, indices [0, topk] is empty for any topk, and the fused backend's
+// candidate capacity 2 * topk overflowed int64 (here into a negative size,
+// std::length_error). Without rows there is nothing to do.
+TEST(Indexer, NoQueryRowsWithHugeTopk) {
+  std::uint16_t q = 0, k = 0, w = 0;
+  std::int32_t idx = 0;
+  dsa::IndexerParams params;
+  params.topk = (std::int64_t{1} << 62) + 1;
+  TensorView indices = dsa::make_view(&idx, DType::i32, {0, 1});
+  indices.shape[1] = params.topk;
+  indices.strides[0] = params.topk;
+  for (dsa::Backend backend : {dsa::Backend::reference, dsa::Backend::cpu})
+    dsa::indexer_topk(dsa::make_view(&q, DType::bf16, {0, 1, 1}), dsa::make_view(&k, DType::bf16, {0, 1}),
+                      dsa::make_view(&w, DType::bf16, {0, 1}), params, indices, TensorView{}, backend);
+}
+
 // ---- sequence planning ----------------------------------------------------
 
 TEST(PlanSequences, TndRawKeys) {
@@ -722,6 +739,24 @@ TEST(PlanSequences, BsndPaddingRows) {
   EXPECT_EQ(plan.seqs[1].k_begin, 7);
   EXPECT_EQ(plan.seqs[1].k_len, 5);
   EXPECT_EQ(dsa::core::padding_rows(plan), (std::vector<std::int64_t>{3, 4}));
+}
+
+// Found by fuzz_indexer (corpus: regression-length-end-overflow-*): the error
+// for a decreasing cumulative end printed the sequence's length, end minus
+// start, which overflows int64 for an end of INT64_MIN; it gives both ends.
+TEST(PlanSequences, ExtremeDecreasingEndNamedWithoutOverflow) {
+  const CuSeqlens cu_q{0, 9, std::numeric_limits<std::int64_t>::min()};
+  dsa::core::LengthSpec spec;
+  spec.q_extent = 9;
+  spec.k_extent = 9;
+  spec.cu_q = &cu_q;
+  try {
+    dsa::core::plan_sequences(spec);
+    ADD_FAILURE() << "accepted a decreasing end";
+  } catch (const dsa::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("ends at -9223372036854775808 before its start 9"), std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(PlanSequences, RejectsInconsistentLengths) {

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -462,6 +463,130 @@ TEST(KlLoss, BadInputsRejectedWithoutWriting) {
   expect_invalid([&] { call(q_bf16, c.kv.view(), idx, c.params(1)); }, "kv");
   EXPECT_EQ(loss, 123.0f);
   EXPECT_THROW(parse_reduction("avg"), Error);
+}
+
+// Found by fuzz_kl_loss (corpus: regression-zero-head-dim-*): D = 0 (every
+// logit 0) is legal, and the fused forward's per-thread buffers were then
+// empty vectors whose null data() went to memset, undefined even for 0 bytes
+// (the fuzz build's UBSan aborts on it). The backends must agree on it.
+TEST(KlLoss, ZeroHeadDimMatchesReference) {
+  const std::int64_t T = 3, Di = 2, K = 2;
+  float q = 0, kv = 0;
+  std::vector<float> iq{0.5f, 0.1f, 0.2f, 0.7f, 0.3f, 0.3f}, ik{0.1f, 0.2f, 0.3f, 0.4f, 0.5f, 0.6f};
+  std::vector<float> w(T, 1.0f), mx(T, 0.0f), sm(T, 2.0f);
+  std::vector<std::int32_t> idx{0, -1, 0, 1, 1, 2};
+  float loss[2] = {-1.0f, -1.0f};
+  std::vector<float> score_grad(2 * T * K, -1.0f);
+  const Backend backends[2] = {Backend::reference, Backend::cpu};
+  for (int b = 0; b < 2; ++b)
+    kl_loss_fwd(make_view(&q, DType::f32, {T, 1, 0}), make_view(&kv, DType::f32, {T, 0}),
+                make_view(idx.data(), DType::i32, {T, K}), make_view(mx.data(), DType::f32, {T, 1}),
+                make_view(sm.data(), DType::f32, {T, 1}), make_view(iq.data(), DType::f32, {T, 1, Di}),
+                make_view(ik.data(), DType::f32, {T, Di}), make_view(w.data(), DType::f32, {T, 1}), TensorView{},
+                TensorView{}, TensorView{}, KlLossParams{}, make_view(&loss[b], DType::f32, {1}),
+                make_view(score_grad.data() + b * T * K, DType::f32, {T, K}), backends[b]);
+  EXPECT_GT(loss[0], 0.0f);  // the uniform teacher differs from the indexer's softmax
+  EXPECT_NEAR(loss[1], loss[0], 1e-6f);
+  for (std::int64_t i = 0; i < T * K; ++i) EXPECT_NEAR(score_grad[T * K + i], score_grad[i], 1e-6f) << i;
+}
+
+// Found by fuzz_kl_loss and fuzz_dense_indexer (corpus:
+// regression-empty-query-huge-dims-*): with no query rows, a query may claim
+// any head count or dim ([0, 2^40, 1] addresses nothing), and the fused
+// kernels sized their per-thread buffers from them (std::bad_alloc). The loss
+// of no rows is 0.
+TEST(KlLoss, NoQueryRowsWithHugeHeadsOrDims) {
+  const std::int64_t huge = std::int64_t{1} << 40;
+  float f = 0;
+  std::int32_t idx = 0;
+  auto empty = [&](void* data, DType dtype, std::initializer_list<std::int64_t> shape, int huge_dim) {
+    TensorView v = make_view(data, dtype, shape);
+    v.shape[huge_dim] = huge;
+    for (int d = v.ndim - 2; d >= 0; --d) v.strides[d] = v.strides[d + 1] * v.shape[d + 1];
+    return v;
+  };
+  const TensorView none = make_view(&f, DType::f32, {0, 1}), iq = make_view(&f, DType::f32, {0, 1, 1});
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    float loss = -1.0f;
+    kl_loss_fwd(empty(&f, DType::f32, {0, 1, 1}, 1), none, make_view(&idx, DType::i32, {0, 1}),
+                empty(&f, DType::f32, {0, 1}, 1), empty(&f, DType::f32, {0, 1}, 1), iq, none, none, TensorView{},
+                TensorView{}, TensorView{}, KlLossParams{}, make_view(&loss, DType::f32, {1}), TensorView{}, backend);
+    EXPECT_EQ(loss, 0.0f) << backend_name(backend);
+    loss = -1.0f;
+    dense_indexer_kl_loss_fwd(iq, none, none, empty(&f, DType::f32, {0, 3, 1}, 2), empty(&f, DType::f32, {0, 1}, 1),
+                              make_view(&f, DType::f32, {0, 3}), make_view(&f, DType::f32, {0, 3}),
+                              make_view(&f, DType::f32, {0}), TensorView{}, TensorView{}, DenseIndexerKlParams{},
+                              make_view(&loss, DType::f32, {1}), backend);
+    EXPECT_EQ(loss, 0.0f) << backend_name(backend);
+    // The backward with Di = 2^40 (its per-thread dq buffers).
+    const TensorView wide_iq = empty(&f, DType::f32, {0, 1, 1}, 2), wide_ik = empty(&f, DType::f32, {0, 1}, 1);
+    dense_indexer_kl_loss_bwd(wide_iq, wide_ik, none, iq, none, make_view(&f, DType::f32, {0, 1}),
+                              make_view(&f, DType::f32, {0, 1}), make_view(&f, DType::f32, {0}), TensorView{},
+                              TensorView{}, 1.0f, DenseIndexerKlParams{}, wide_iq, wide_ik, none, backend);
+  }
+}
+
+// Found by fuzz_kl_loss (corpus: regression-rope-dim-overflow-*): with no rows,
+// query [0, 1, 1] and query_rope [0, 1, INT64_MAX] are each valid, but the
+// fused forward first sums D + Dr, which overflowed int64. Rejected now.
+TEST(KlLoss, RopeDimWhoseSumWithDOverflowsIsRejected) {
+  float f = 0, loss = 0;
+  std::int32_t idx = 0;
+  TensorView query_rope = make_view(&f, DType::f32, {0, 1, 1}), key_rope = make_view(&f, DType::f32, {0, 1});
+  query_rope.shape[2] = key_rope.shape[1] = std::numeric_limits<std::int64_t>::max();
+  const TensorView rows = make_view(&f, DType::f32, {0, 1}), heads = make_view(&f, DType::f32, {0, 1, 1});
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    try {
+      kl_loss_fwd(heads, rows, make_view(&idx, DType::i32, {0, 1}), rows, rows, heads, rows, rows, TensorView{},
+                  query_rope, key_rope, KlLossParams{}, make_view(&loss, DType::f32, {1}), TensorView{}, backend);
+      ADD_FAILURE() << "accepted D + Dr beyond int64";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("query_rope"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Found by fuzz_kl_loss and fuzz_dense_indexer (their corpus keeps the inputs
+// as regression-negative-size-*): a hand-made index_key of -1 rows passed the
+// validation, since -1 is how the length planner spells "no key tensor", and
+// the reference backward then sized its accumulators from it
+// (std::length_error, not a dsa::Error). Sizes are now checked on every view.
+TEST(KlLoss, NegativeKeyRowsRejected) {
+  float iq = 0, ik = 0, w = 0, sg = 0, d_iq = 0, d_ik = 0, d_w = 0, q = 0, k = 0, stat = 0, lse = 0;
+  std::int32_t idx = 0;
+  auto negative_rows = [](float* data) {
+    TensorView v = make_view(data, DType::f32, {1, 1});
+    v.shape[0] = -1;
+    return v;
+  };
+  auto expect_invalid = [](auto&& call) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted an index_key of -1 rows";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("index_key"), std::string::npos) << e.what();
+    }
+  };
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    KlLossParams sparse;
+    sparse.cmp_ratio = 4;  // index_key holds compressed entries: none for T = 0 queries
+    expect_invalid([&] {
+      kl_loss_bwd(make_view(&idx, DType::i32, {0, 1}), make_view(&iq, DType::f32, {0, 1, 1}), negative_rows(&ik),
+                  make_view(&w, DType::f32, {0, 1}), make_view(&sg, DType::f32, {0, 1}), 1.0f, sparse,
+                  make_view(&d_iq, DType::f32, {0, 1, 1}), negative_rows(&d_ik), make_view(&d_w, DType::f32, {0, 1}),
+                  backend);
+    });
+    expect_invalid([&] {
+      dense_indexer_kl_loss_bwd(make_view(&iq, DType::f32, {0, 1, 1}), negative_rows(&ik),
+                                make_view(&w, DType::f32, {0, 1}), make_view(&q, DType::f32, {0, 1, 1}),
+                                negative_rows(&k), make_view(&stat, DType::f32, {0, 1}),
+                                make_view(&stat, DType::f32, {0, 1}), make_view(&lse, DType::f32, {0}), TensorView{},
+                                TensorView{}, 1.0f, DenseIndexerKlParams{}, make_view(&d_iq, DType::f32, {0, 1, 1}),
+                                negative_rows(&d_ik), make_view(&d_w, DType::f32, {0, 1}), backend);
+    });
+  }
 }
 
 }  // namespace

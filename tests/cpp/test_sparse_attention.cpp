@@ -4,9 +4,12 @@
 // bf16; every ISA path; determinism across thread counts; bad inputs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/cpu_features.h"
@@ -444,6 +447,109 @@ TEST(SparseAttention, AllInvalidIndicesGiveEmptyRows) {
   for (int i = 0; i < 3 * 2 * 8; ++i) EXPECT_EQ(r.out.at(i), 0.0f);
   Results ref = run(p, Backend::reference, 1);
   compare_all(r, ref, c);
+}
+
+// Found by fuzz_sparse_attention (corpus: regression-empty-query-huge-heads-*):
+// a query of no rows may claim any number of heads ([0, 2^40, 1] addresses
+// nothing), and both backends sized scratch from H (the fused one terabytes,
+// the reference backward its dsink accumulator): std::bad_alloc. With no rows
+// the forward writes nothing and the backward only zeroes dkv.
+TEST(SparseAttention, NoQueryRowsWithHugeHeadCount) {
+  const std::int64_t heads = std::int64_t{1} << 40;
+  std::uint16_t q = 0, out = 0, go = 0, dq = 0;
+  float stat = 0;
+  std::vector<std::uint16_t> kv(6, 0x3f80), dkv(6, 0x3f80);  // bf16 1.0: the backward must zero it
+  auto empty_rows = [&](void* data, DType dtype, std::initializer_list<std::int64_t> shape) {
+    dsa::TensorView v = dsa::make_view(data, dtype, shape);
+    v.shape[1] = heads;
+    for (int d = 0; d < v.ndim - 1; ++d) v.strides[d] = v.strides[d + 1] * v.shape[d + 1];
+    return v;
+  };
+  dsa::SparseAttentionInputs in;
+  in.query = empty_rows(&q, DType::bf16, {0, 1, 1});
+  in.kv = dsa::make_view(kv.data(), DType::bf16, {6, 1});
+  dsa::SparseAttentionParams params;
+  params.cu_seqlens_q = {0, 0};
+  params.cu_seqlens_k = {0, 6};
+  for (dsa::Backend backend : {dsa::Backend::reference, dsa::Backend::cpu}) {
+    dsa::sparse_attention_fwd(in, params, empty_rows(&out, DType::bf16, {0, 1, 1}),
+                              empty_rows(&stat, DType::f32, {0, 1}), empty_rows(&stat, DType::f32, {0, 1}), backend);
+    dsa::SparseAttentionGrads g;
+    g.d_query = empty_rows(&dq, DType::bf16, {0, 1, 1});
+    g.d_kv = dsa::make_view(dkv.data(), DType::bf16, {6, 1});
+    dsa::sparse_attention_bwd(in, params, empty_rows(&go, DType::bf16, {0, 1, 1}),
+                              empty_rows(&out, DType::bf16, {0, 1, 1}), empty_rows(&stat, DType::f32, {0, 1}),
+                              empty_rows(&stat, DType::f32, {0, 1}), g, backend);
+    for (std::uint16_t v : dkv) EXPECT_EQ(v, 0) << dsa::backend_name(backend);
+    std::fill(dkv.begin(), dkv.end(), 0x3f80);
+  }
+}
+
+// Found by fuzz_sparse_attention (corpus: regression-empty-huge-row-*): a query
+// [0, 3, INT64_MAX] has no elements, but its non-zero sizes multiply past
+// int64, which the output checks' contiguity test did (undefined behaviour).
+// Such a view is rejected like any whose element count overflows.
+TEST(SparseAttention, EmptyQueryWhoseRowSizeOverflowsIsRejected) {
+  const std::int64_t huge = std::numeric_limits<std::int64_t>::max();
+  std::uint16_t x = 0;
+  float stat = 0;
+  TensorView query = make_view(&x, DType::bf16, {0, 3, 1}), kv = make_view(&x, DType::bf16, {0, 1});
+  query.shape[2] = kv.shape[1] = huge;
+  TensorView out = query;
+  SparseAttentionInputs in;
+  in.query = query;
+  in.kv = kv;
+  SparseAttentionParams params;
+  params.cu_seqlens_q = params.cu_seqlens_k = {0, 0};
+  for (Backend backend : {Backend::reference, Backend::cpu}) {
+    try {
+      sparse_attention_fwd(in, params, out, make_view(&stat, DType::f32, {0, 3}), make_view(&stat, DType::f32, {0, 3}),
+                           backend);
+      ADD_FAILURE() << "accepted a [0, 3, INT64_MAX] query";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find("query"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Found by fuzz_sparse_attention (corpus: regression-huge-window-*): window =
+// INT64_MAX is accepted and means "every causal key", but the fused backward's
+// band arithmetic (first + count + window) overflowed, which here wrapped into
+// an empty band and left dkv without its contributions. It must equal the
+// dense causal window = 0, bit for bit.
+TEST(SparseAttention, HugeWindowIsDenseCausal) {
+  const std::int64_t T = 8, S = 80, H = 2, D = 8;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  auto random = [&](std::int64_t n) {
+    std::vector<float> v(n);
+    for (float& x : v) x = dist(rng);
+    return v;
+  };
+  std::vector<float> q = random(T * H * D), kv = random(S * D), go = random(T * H * D);
+  SparseAttentionInputs in;
+  in.query = make_view(q.data(), DType::f32, {T, H, D});
+  in.kv = make_view(kv.data(), DType::f32, {S, D});
+  std::vector<float> dkv[2];
+  for (int run = 0; run < 2; ++run) {
+    SparseAttentionParams params;
+    params.scale = 0.3f;
+    params.window = run == 0 ? 0 : std::numeric_limits<std::int64_t>::max();
+    std::vector<float> out(T * H * D), mx(T * H), sm(T * H), dq(T * H * D);
+    dkv[run].assign(S * D, -1.0f);
+    sparse_attention_fwd(in, params, make_view(out.data(), DType::f32, {T, H, D}),
+                         make_view(mx.data(), DType::f32, {T, H}), make_view(sm.data(), DType::f32, {T, H}),
+                         Backend::cpu);
+    SparseAttentionGrads g;
+    g.d_query = make_view(dq.data(), DType::f32, {T, H, D});
+    g.d_kv = make_view(dkv[run].data(), DType::f32, {S, D});
+    sparse_attention_bwd(in, params, make_view(go.data(), DType::f32, {T, H, D}),
+                         make_view(out.data(), DType::f32, {T, H, D}), make_view(mx.data(), DType::f32, {T, H}),
+                         make_view(sm.data(), DType::f32, {T, H}), g, Backend::cpu);
+  }
+  EXPECT_EQ(dkv[0], dkv[1]);
+  EXPECT_NE(dkv[0][(S - 1) * D], 0.0f);  // the last key is attended: its gradient is not 0
 }
 
 TEST(SparseAttention, BadInputsThrowAndWriteNothing) {

@@ -49,6 +49,10 @@ struct ThreadScratch {
 }  // namespace
 
 void indexer_topk(const IndexerProblem& p) {
+  // No query rows: nothing to write, and nothing may be sized from the shapes,
+  // which no memory bounds then (a [0, 2^40, 1] query or topk = INT64_MAX are
+  // legal; 2 * topk below overflowed, found by fuzz_indexer).
+  if (p.plan.q_rows == 0) return;
   const ScoreKernel& kernel = pick_score_kernel(p.dtype);
   const AppendCandidatesFn append =
       core::cpu_isa() >= core::Isa::avx512 ? append_candidates_avx512 : append_candidates_portable;

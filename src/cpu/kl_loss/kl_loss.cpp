@@ -79,7 +79,9 @@ void dense_indexer_lse(const DenseLseProblem& p) {
     core::ScratchVector<std::uint8_t> packed, key_scratch;  // dsa's allocator: failures name the size
     std::vector<float> weights, tile;
   };
-  std::vector<Scratch> scratch(threads);
+  // No buffers without tasks: with no query rows Hi and Di are bounded by no
+  // memory (as in kl_generic.inc's sparse_fwd).
+  std::vector<Scratch> scratch(tasks.empty() ? 0 : threads);
   for (auto& s : scratch) {
     s.packed.resize(kernel.packed_query_bytes(iq.heads, iq.dim) + 64);
     s.key_scratch.resize(kernel.key_scratch_bytes(iq.dim) + 64);

@@ -270,6 +270,10 @@ float row_dot(const char* a, const char* b, DType dtype, std::int64_t n) {
 }  // namespace
 
 void sparse_attention_fwd(const SparseAttentionProblem& p) {
+  // No query rows: nothing to write, and the scratch must not be sized from H
+  // and D, which no memory bounds then (fuzz_sparse_attention found a
+  // [0, 2^40, 1] query asking for terabytes of scratch).
+  if (p.plan.q_rows == 0) return;
   const AttentionKernel& kernel = pick_kernel(p.dtype, Pass::forward);
   const Shape shape = shape_of(p);
   const std::int64_t H = p.heads;
@@ -329,6 +333,7 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   }
   if (p.cmp_kv) zero(p.d_cmp_kv, p.cmp_rows * p.dim * es);
   if (p.d_sinks) std::fill(p.d_sinks, p.d_sinks + H, 0.0f);
+  if (p.plan.q_rows == 0) return;  // the gradients are all zero; as in the forward, size nothing from H, D
 
   // Phase 1: per-row softmax constants, dsink terms and dq.
   core::ScratchVector<float> coef(p.plan.q_rows * H, 0.0f), delta(p.plan.q_rows * H, 0.0f);
