@@ -68,7 +68,7 @@ def test_resume_continues_the_saved_run(tmp_path):
 def test_compare_writes_tables_json_and_png(tmp_path):
     out, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
     r = train("--compare", "--steps", "3", "--warmup-steps", "1", "--json", str(out), "--plot", str(png),
-              "--memory-budget", "0.5")  # a few layers of the tiny model: cheap probes
+              "--memory-budget", "0.6")  # ~10-20 layers of the tiny model: doubling, then bisection
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["runs"]) == {"unpatched", "sas", "sas+li"}
@@ -80,7 +80,7 @@ def test_compare_writes_tables_json_and_png(tmp_path):
         assert agree["max_abs_loss_diff"] < 1e-3, (name, agree)
     for name, b in result["layers_within_budget"].items():
         assert b["layers"] >= 1, (name, b)
-    assert "s/step median" in r.stdout and "most layers within 0.5 GiB" in r.stdout
+    assert "s/step median" in r.stdout and "most layers within 0.6 GiB" in r.stdout
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
