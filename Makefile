@@ -50,8 +50,8 @@ test-sanitize: setup
 
 # libFuzzer targets of tests/fuzz (clang 14, ASan + UBSan), one per op family.
 # `make fuzz` runs each for FUZZ_SECONDS; `make test` runs each for
-# FUZZ_CI_SECONDS, which replays the seed corpus (past findings included) and
-# fuzzes a little. -O1: the kernels stay fast enough under ASan to fuzz.
+# FUZZ_CI_SECONDS with a fixed libFuzzer seed, which replays the seed corpus
+# (past findings included) and fuzzes a little, the same way on every run. -O1: the kernels stay fast enough under ASan to fuzz.
 FUZZ_BUILD      := $(BUILD)-fuzz
 FUZZ_SECONDS    ?= 120
 FUZZ_CI_SECONDS ?= 15
@@ -65,7 +65,7 @@ fuzz: fuzz-build
 	bash tools/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_SECONDS) $(JOBS)
 
 test-fuzz: fuzz-build
-	bash tools/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_CI_SECONDS) $(JOBS)
+	bash tools/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_CI_SECONDS) $(JOBS) 1
 
 clean:
 	rm -rf $(BUILD) $(BUILD)-sanitize $(FUZZ_BUILD)

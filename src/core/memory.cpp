@@ -234,6 +234,8 @@ void run_kernel(const char* op, void (*body)(const void*), const void* context) 
   }
 }
 
+alignas(64) std::uint8_t ScratchBuffer::empty_[64];
+
 ScratchBuffer::ScratchBuffer(std::size_t bytes) : capacity_(bytes) {
   if (bytes == 0) return;
   if (bytes >= kCacheMin) data_ = WorkspaceCache::instance().take(bytes, &capacity_);

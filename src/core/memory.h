@@ -79,11 +79,14 @@ class ScratchBuffer {
   ~ScratchBuffer();
   ScratchBuffer(const ScratchBuffer&) = delete;
   ScratchBuffer& operator=(const ScratchBuffer&) = delete;
-  std::uint8_t* data() const { return data_; }
+  // Never null, also for 0 bytes: callers memset / loop over `bytes` without a
+  // special case, and memset on a null pointer is undefined even for 0 bytes.
+  std::uint8_t* data() const { return data_ ? data_ : empty_; }
 
  private:
   std::uint8_t* data_ = nullptr;
   std::size_t capacity_ = 0;  // what data_ was allocated with (>= the request)
+  alignas(64) static std::uint8_t empty_[64];  // what data() gives for 0 bytes
 };
 
 }  // namespace dsa::core

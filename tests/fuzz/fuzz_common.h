@@ -183,10 +183,16 @@ class Arena {
     std::int64_t expected = 1;
     for (int d = v.ndim - 1; d >= 0; --d) {
       std::int64_t stride = expected;
-      if (mode == 1) stride = expected + in_.range(0, 9);                  // padded rows
-      if (mode == 2 && d < v.ndim - 1) stride = in_.range(0, expected);    // overlapping / zero
+      // Saturating: `expected` may be up to INT64_MAX (a huge dim times 1), and an
+      // overflow here would be the harness's own undefined behaviour.
+      auto sat_add = [](std::int64_t a, std::int64_t b) {
+        std::int64_t r;
+        return __builtin_add_overflow(a, b, &r) ? std::numeric_limits<std::int64_t>::max() : r;
+      };
+      if (mode == 1) stride = sat_add(expected, in_.range(0, 9));                     // padded rows
+      if (mode == 2 && d < v.ndim - 1) stride = in_.range(0, expected);              // overlapping / zero
       if (mode == 3 && in_.rare(2)) stride = in_.range(0, 3) == 0 ? 0 : 1ll << in_.range(55, 62);
-      if (mode == 4) stride = in_.range(0, 2 * expected + 2);              // anything small, last dim too
+      if (mode == 4) stride = in_.range(0, sat_add(sat_add(expected, expected), 2));  // anything small, last dim too
       v.strides[d] = stride;
       std::int64_t dim = shape[d] > 0 ? shape[d] : 1;
       if (__builtin_mul_overflow(expected, dim, &expected)) expected = std::numeric_limits<std::int64_t>::max() / 4;
@@ -277,13 +283,19 @@ class Arena {
     return true;
   }
 
+  static double to_int(float x, float limit) {
+    if (!(x == x)) return 0.0;  // NaN
+    return static_cast<double>(std::max(-limit, std::min(limit, x)));
+  }
   static void store(const TensorView& v, std::int64_t i, float x) {
     switch (v.dtype) {
       case DType::f32: static_cast<float*>(v.data)[i] = x; break;
       case DType::bf16: static_cast<std::uint16_t*>(v.data)[i] = to_bf16(x); break;
       case DType::f16: static_cast<std::uint16_t*>(v.data)[i] = to_f16(x); break;
-      case DType::i32: static_cast<std::int32_t*>(v.data)[i] = static_cast<std::int32_t>(x); break;
-      case DType::i64: static_cast<std::int64_t*>(v.data)[i] = static_cast<std::int64_t>(x); break;
+      // Integer views get the float clamped first: converting inf, NaN or an
+      // out-of-range value would be the harness's own undefined behaviour.
+      case DType::i32: static_cast<std::int32_t*>(v.data)[i] = static_cast<std::int32_t>(to_int(x, 2.0e9f)); break;
+      case DType::i64: static_cast<std::int64_t*>(v.data)[i] = static_cast<std::int64_t>(to_int(x, 9.0e18f)); break;
     }
   }
 

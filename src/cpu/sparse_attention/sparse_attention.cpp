@@ -172,7 +172,8 @@ std::vector<Scratch> make_scratch(int threads, std::size_t bytes, std::int64_t p
 // so the summation order stays fixed.
 std::int64_t owner_rows_for(std::int64_t topk, std::int64_t max_len) {
   std::int64_t rows = kMinOwnerBlock;
-  while (rows < kMaxOwnerBlock && rows * topk < 32 * max_len) rows *= 2;
+  // In 128 bits: topk and the lengths may be anything a view can claim.
+  while (rows < kMaxOwnerBlock && static_cast<__int128>(rows) * topk < static_cast<__int128>(32) * max_len) rows *= 2;
   return rows;
 }
 
