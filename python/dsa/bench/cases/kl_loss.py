@@ -94,8 +94,10 @@ def _dense_run(kind, backend="auto"):
     return run
 
 
-def _sparse_flops(T):
-    pairs = T * TOPK
+def _sparse_flops(T, S):
+    # Valid pairs only (FlashMLA convention): a query sees at most S - T + i + 1 keys, so
+    # the first TOPK - 1 queries of a causal sequence have fewer than TOPK.
+    pairs = sum(min(TOPK, S - T + i + 1) for i in range(T))
     # teacher logits (H x 576) once; indexer dots: forward, dQ/dW pass and dK pass (each dot + update).
     return 2 * H * 576 * pairs + 2 * HI * DI * pairs * 5
 
@@ -107,10 +109,10 @@ def _dense_flops(T):
 
 CASES = [
     Case("kl_loss/sparse/bf16/prefix_T1024_S4096", _sparse_setup(1024, 4096),
-         {FUSED: _sparse_run("fused"), NAIVE: _sparse_run("naive")}, flops=_sparse_flops(1024),
+         {FUSED: _sparse_run("fused"), NAIVE: _sparse_run("naive")}, flops=_sparse_flops(1024, 4096),
          note="query chunk of 1024 at the end of a 4096-token sequence (prefix KV)"),
     Case("kl_loss/sparse/bf16/T4096", _sparse_setup(4096, 4096),
-         {FUSED: _sparse_run("fused")}, flops=_sparse_flops(4096),
+         {FUSED: _sparse_run("fused")}, flops=_sparse_flops(4096, 4096),
          skip={NAIVE: "the naive peer gathers [T, 2048, 576] and does not fit", REFERENCE: "too slow"}),
     Case("kl_loss/dense/bf16/T4096", _dense_setup(4096),
          {FUSED: _dense_run("fused"), NAIVE: _dense_run("naive")}, flops=_dense_flops(4096),
