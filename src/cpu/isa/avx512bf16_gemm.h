@@ -108,13 +108,48 @@ inline void block(bool accumulate_c, const PairGemm& g, std::int64_t row0, std::
 // is given (same C, same rows), its product A2 . B2 is added to the column
 // groups below n2_groups while they are in registers: the attention dkv pass
 // adds its value part P^T.dO to the key part dS^T.Q that way.
+//
+// B is read once per register block of rows, so a deep contraction (the
+// attention's K . Q^T: 18 chunks x 4 groups = 72 KiB of B) would stream B from
+// L2 for every 4 rows. Such products run in slabs of contraction chunks whose B
+// fits in L1 (kSlabBytes), each slab over all rows, the C block going through
+// memory between slabs: in fp32, in contraction order, so the same bits.
 inline void gemm(bool accumulate, const PairGemm& g, std::int64_t m_rows, std::int64_t n_groups,
                  const PairGemm* second = nullptr, std::int64_t n2_groups = 0) {
   constexpr int kCols = 4;
+  constexpr std::int64_t kSlabBytes = 16 * 1024;
+  constexpr std::int64_t kChunkGroupBytes = 16 * 64;  // 16 pairs x one zmm of B
+  auto rows_of = [&](const PairGemm& pg, bool acc, std::int64_t group0, int n) {
+    const std::int64_t rows = detail::rows_for(n);
+    for (std::int64_t row0 = 0; row0 < m_rows; row0 += rows) {
+      switch (n) {
+        case 4: detail::block<4>(acc, pg, row0, group0, nullptr, 0); break;
+        case 3: detail::block<3>(acc, pg, row0, group0, nullptr, 0); break;
+        case 2: detail::block<2>(acc, pg, row0, group0, nullptr, 0); break;
+        default: detail::block<1>(acc, pg, row0, group0, nullptr, 0); break;
+      }
+    }
+  };
+  // One product over its chunks in slabs of at most `slab` chunks.
+  auto slabbed = [&](const PairGemm& pg, bool acc, std::int64_t group0, int n, std::int64_t slab) {
+    for (std::int64_t k0 = 0; k0 < pg.k_chunks; k0 += slab) {
+      PairGemm part = pg;
+      part.a += k0 * pg.a_chunk;
+      part.b += k0 * pg.b_chunk;
+      part.k_chunks = std::min(slab, pg.k_chunks - k0);
+      rows_of(part, acc || k0 > 0, group0, n);
+    }
+  };
   for (std::int64_t group0 = 0; group0 < n_groups; group0 += kCols) {
     const int n = static_cast<int>(std::min<std::int64_t>(kCols, n_groups - group0));
     const int n2 = second ? static_cast<int>(std::clamp<std::int64_t>(n2_groups - group0, 0, n)) : 0;
     const PairGemm* sec = n2 > 0 ? second : nullptr;
+    const std::int64_t slab = std::max<std::int64_t>(1, kSlabBytes / (n * kChunkGroupBytes));
+    if (g.k_chunks > slab || (sec && sec->k_chunks > slab)) {
+      slabbed(g, accumulate, group0, n, slab);
+      if (sec) slabbed(*sec, true, group0, n2, std::max<std::int64_t>(1, kSlabBytes / (n2 * kChunkGroupBytes)));
+      continue;
+    }
     const std::int64_t rows = detail::rows_for(n);
     for (std::int64_t row0 = 0; row0 < m_rows; row0 += rows) {
       switch (n) {
