@@ -35,6 +35,11 @@ def test_cases_are_discovered_and_well_formed():
     assert any(n.startswith("indexer/") for n in names)
     quick = runner.select_cases(cases, quick=True, pattern=None)
     assert quick and all(c.quick for c in quick)
+    # Comma-separated filter parts: the union of what each part selects, in case order.
+    either = runner.select_cases(cases, quick=False, pattern="compressor/,indexer/bf16/T512/")
+    assert [c.name for c in either] == [c.name for c in cases
+                                        if c.name.startswith("compressor/") or "indexer/bf16/T512/" in c.name]
+    assert {c.name.split("/")[0] for c in either} == {"compressor", "indexer"}
     for c in cases:
         assert work_of(c) in (("compute", "bf16"), ("compute", "fp32"), ("copy_bw", "bf16"), ("copy_bw", "fp32"))
         assert c.flops > 0 or c.bytes_moved > 0, c.name
