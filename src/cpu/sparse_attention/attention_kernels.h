@@ -12,6 +12,8 @@
 // row. Logits are scale * q . k, softmax and accumulation in fp32.
 #pragma once
 
+#include <xmmintrin.h>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -42,6 +44,19 @@ struct KeyRows {
   const char* const* rope;
   std::int64_t count;
 };
+
+// The gather of a block of attended keys asks for the row kPrefetchRows ahead
+// of the one it copies: the rows are a random walk over kv that the hardware
+// prefetcher cannot follow, and a row (1 KiB and more) is too long for the
+// core to run ahead into the next one by itself. Measured on the fp32 FMA
+// forward (Zen 5, one thread, V3.2): 7-9% faster at 4-16 rows ahead.
+inline constexpr std::int64_t kPrefetchRows = 16;
+inline void prefetch_key_row(const Shape& s, const KeyRows& keys, std::int64_t k) {
+  if (k >= keys.count) return;
+  const std::int64_t main_bytes = s.dim * static_cast<std::int64_t>(dtype_size(s.dtype));
+  for (std::int64_t byte = 0; byte < main_bytes; byte += 64) _mm_prefetch(keys.main[k] + byte, _MM_HINT_T0);
+  if (s.rope_dim) _mm_prefetch(keys.rope[k], _MM_HINT_T0);
+}
 
 // One query row: all heads of one token.
 struct QueryRow {
