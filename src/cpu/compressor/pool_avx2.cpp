@@ -168,16 +168,16 @@ inline void store_group(void* base, std::int64_t at, const __m256 (&v)[4], const
   }
 }
 
-// exp's argument split (exp_nonpositive): t = x log2(e) clamped at -127,
-// n = floor(t), f = t - n (exact). scale_exp2 multiplies by 2^n built as an
-// fp32 exponent field n + 127: for n = -127 that field is 0, so every
-// t < -126 (x below -87.3, -inf included) gives exactly 0.
+// exp's argument split (exp2_nonpositive): t clamped at -127, n = floor(t),
+// f = t - n (exact). scale_exp2 multiplies by 2^n built as an fp32 exponent
+// field n + 127: for n = -127 that field is 0, so every t < -126 (x below
+// -87.3, -inf included) gives exactly 0.
 struct Pow2 {
   __m256 n, f;
 };
-inline Pow2 split_exp2(__m256 x) {
+inline Pow2 split_exp2(__m256 t) {
   // max's second operand wins on NaN: keeps NaN (whose n then builds 2^0).
-  const __m256 t = _mm256_max_ps(_mm256_set1_ps(-127.0f), _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)));
+  t = _mm256_max_ps(_mm256_set1_ps(-127.0f), t);
   const __m256 n = _mm256_floor_ps(t);
   return {n, _mm256_sub_ps(t, n)};
 }
