@@ -178,8 +178,9 @@ inline void store_group(void* base, std::int64_t at, const __m256 (&v)[4], const
 // and f = t - n in [-1/2, 1/2] (exact), for the polynomials fitted on that
 // range; scale_exp2 shifts those bits into the exponent field of 2^n. For
 // n = -127 the field is 0, so every t below -126.5 (-inf included) gives
-// exactly 0. Two operations fewer than floor, a subtraction and a float to
-// int conversion plus the bias.
+// exactly 0. One operation fewer than floor, a subtraction, a float to int
+// conversion and the bias, and neither vroundps nor vcvtps2dq (CSA forward
+// 5.9 -> 5.3 ms, one thread on chip).
 constexpr bool kCenteredExpSplit = true;
 struct Pow2 {
   __m256 biased, f;  // biased: t + 1.5 * 2^23 + 127, rounded to an integer
