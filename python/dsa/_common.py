@@ -36,3 +36,15 @@ def check_int(value, name: str, minimum: int) -> int:
 def num_threads() -> int:
     """Threads for a kernel call: the torch layer follows torch's own setting."""
     return torch.get_num_threads()
+
+
+def plain_eager(*tensors) -> bool:
+    """Whether an op call may bypass its torch.library custom op and run as a plain
+    torch.autograd.Function: eager (not traced by torch.compile / export), no
+    TorchDispatchMode or TorchFunctionMode (FakeTensorMode, FlopCounterMode, ...)
+    and no functorch transform active, and only plain CPU tensors (None allowed).
+    Everything else goes through the custom op and its fake kernel."""
+    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+            or torch._C._len_torch_function_stack() or torch._C._are_functorch_transforms_active()):
+        return False
+    return all(t is None or (type(t) is torch.Tensor and t.device.type == "cpu") for t in tensors)

@@ -4,9 +4,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _C, _buffers
-from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
+from ._common import check_backend, check_int, check_layout, check_tensor, num_threads, plain_eager
 from .lengths import (Lengths, as_length_tensor, ends_from_lengths, lengths_from_cu_seqlens, lengths_from_ends,
                       to_cu_seqlens)
 
@@ -33,10 +34,9 @@ def _entry_counts(raw_lengths: list[int], ratio: int) -> list[int]:
 # With `save_stats` the forward also returns the softmax statistics
 # ([..., 3, c] fp32: max, 1 / sum, fp32 output) for the backward, which then
 # works in one pass; otherwise the second output is empty.
-@torch.library.custom_op("dsa::compressor", mutates_args=())
-def _compressor_op(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int,
-                   overlap: bool, query_lengths: Optional[torch.Tensor], compressed_rows: int,
-                   layout: str, backend: str, save_stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_kernels(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int,
+                     overlap: bool, query_lengths: Optional[torch.Tensor], compressed_rows: int,
+                     layout: str, backend: str, save_stats: bool) -> tuple[torch.Tensor, torch.Tensor]:
     cu_seqlens = to_cu_seqlens(query_lengths, layout)
     if compressed_rows < 0 and layout == "TND":
         # Bad lengths are the kernel's to report; any row count lets it run.
@@ -49,19 +49,10 @@ def _compressor_op(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Te
     return out, stats
 
 
-@_compressor_op.register_fake
-def _(kv, gate, position_bias, ratio, overlap, query_lengths, compressed_rows, layout, backend, save_stats):
-    if compressed_rows < 0 and layout == "TND":
-        compressed_rows = torch.library.get_ctx().new_dynamic_size()
-    shape = _compressed_shape(kv, ratio, overlap, compressed_rows, layout)
-    return kv.new_empty(shape), kv.new_empty(_stats_shape(shape, save_stats), dtype=torch.float32)
-
-
-@torch.library.custom_op("dsa::compressor_backward", mutates_args=())
-def _compressor_backward_op(grad_compressed: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
-                            position_bias: torch.Tensor, stats: torch.Tensor, ratio: int, overlap: bool,
-                            query_lengths: Optional[torch.Tensor], layout: str,
-                            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_kernels(grad_compressed: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
+                      position_bias: torch.Tensor, stats: torch.Tensor, ratio: int, overlap: bool,
+                      query_lengths: Optional[torch.Tensor], layout: str,
+                      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # Large, and written in full every call: from the buffer pool (see _buffers).
     grad_kv = _buffers.empty(kv.shape, kv.dtype, kv.device, op="dsa_compressor")
     grad_gate = _buffers.empty(kv.shape, kv.dtype, kv.device, op="dsa_compressor")
@@ -70,6 +61,20 @@ def _compressor_backward_op(grad_compressed: torch.Tensor, kv: torch.Tensor, gat
                       overlap, to_cu_seqlens(query_lengths, layout), layout, backend, num_threads(),
                       stats if stats.dim() > 1 else None)
     return grad_kv, grad_gate, grad_bias
+
+
+_compressor_op = torch.library.custom_op("dsa::compressor", _forward_kernels, mutates_args=())
+
+
+@_compressor_op.register_fake
+def _(kv, gate, position_bias, ratio, overlap, query_lengths, compressed_rows, layout, backend, save_stats):
+    if compressed_rows < 0 and layout == "TND":
+        compressed_rows = torch.library.get_ctx().new_dynamic_size()
+    shape = _compressed_shape(kv, ratio, overlap, compressed_rows, layout)
+    return kv.new_empty(shape), kv.new_empty(_stats_shape(shape, save_stats), dtype=torch.float32)
+
+
+_compressor_backward_op = torch.library.custom_op("dsa::compressor_backward", _backward_kernels, mutates_args=())
 
 
 @_compressor_backward_op.register_fake
@@ -87,15 +92,34 @@ def _setup_context(ctx, inputs, output):
     ctx.args = (ratio, overlap, layout, backend)
 
 
-def _backward(ctx, grad, _grad_stats):
+def _gradients(ctx, grad, backward_kernels):
     kv, gate, position_bias, stats = ctx.saved_tensors
     ratio, overlap, layout, backend = ctx.args
-    grad_kv, grad_gate, grad_bias = _compressor_backward_op(
+    grad_kv, grad_gate, grad_bias = backward_kernels(
         grad.contiguous(), kv, gate, position_bias, stats, ratio, overlap, ctx.query_lengths, layout, backend)
     return grad_kv, grad_gate, grad_bias, None, None, None, None, None, None, None
 
 
+def _backward(ctx, grad, _grad_stats):
+    return _gradients(ctx, grad, _compressor_backward_op)
+
+
 _compressor_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerCompressor(torch.autograd.Function):
+    """The same forward, autograd context and backward as the custom ops, for
+    plain eager calls (`plain_eager`): it skips torch.library's Python
+    dispatch, which costs two to three times the kernels' own call overhead
+    (one thread: ~0.4 ms of 7 ms per HCA forward + backward at S = 16384, the
+    interpreter running cold after the kernels stream the caches out)."""
+    forward = staticmethod(_forward_kernels)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    @once_differentiable  # as the custom op: no double backward
+    def backward(ctx, grad, _grad_stats):
+        return _gradients(ctx, grad, _backward_kernels)
 
 
 # Slots per entry from which the backward starts from saved softmax statistics
@@ -165,6 +189,7 @@ def dsa_compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Te
     # gain from it (many slots per entry) and a gradient will be taken.
     save_stats = (backend != "reference" and (2 if overlap else 1) * ratio >= _STATS_MIN_SLOTS
                   and torch.is_grad_enabled() and any(t.requires_grad for t in (kv, gate, position_bias)))
-    compressed, _ = _compressor_op(kv, gate, position_bias, ratio, overlap, lengths_tensor,
-                                   compressed_rows, layout, backend, save_stats)
+    op = _EagerCompressor.apply if plain_eager(kv, gate, position_bias, lengths_tensor) else _compressor_op
+    compressed, _ = op(kv, gate, position_bias, ratio, overlap, lengths_tensor, compressed_rows, layout, backend,
+                       save_stats)
     return compressed, out_lengths

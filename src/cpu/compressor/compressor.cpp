@@ -136,9 +136,9 @@ struct ThreadScratch {
     const std::int64_t max_slots = (p.overlap ? 2 : 1) * p.ratio;
     slots.assign(p.num_threads, std::vector<SlotRef>(max_slots));
     floats.reserve(p.num_threads);  // no reallocation: `data` points into each element
-    // backward_from_stats keeps a row of c floats (padded to a vector) there.
-    // (scratch_floats also covers the portable kernel's one float per slot.)
-    const std::int64_t floats_each = std::max(scratch_floats(max_slots), (p.channels + 15) / 16 * 16);
+    // backward_from_stats keeps two rows of c floats (each padded to a vector)
+    // there. (scratch_floats also covers the portable kernel's one float per slot.)
+    const std::int64_t floats_each = std::max(scratch_floats(max_slots), 2 * ((p.channels + 15) / 16 * 16));
     for (int i = 0; i < p.num_threads; ++i) floats.emplace_back(floats_each);
   }
 };

@@ -56,7 +56,7 @@ struct PoolKernel {
   // Writes d kv and d gate of every slot and adds d logit into bias_partial.
   void (*backward)(const PoolArgs& args);
   // The same from the saved statistics: one pass over the slots. Needs
-  // scratch for one row of `width` floats.
+  // scratch for two rows of `width` floats, each rounded up to 16.
   void (*backward_from_stats)(const PoolArgs& args);
 };
 
