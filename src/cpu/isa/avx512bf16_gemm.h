@@ -119,14 +119,16 @@ inline void gemm(bool accumulate, const PairGemm& g, std::int64_t m_rows, std::i
   constexpr int kCols = 4;
   constexpr std::int64_t kSlabBytes = 16 * 1024;
   constexpr std::int64_t kChunkGroupBytes = 16 * 64;  // 16 pairs x one zmm of B
-  auto rows_of = [&](const PairGemm& pg, bool acc, std::int64_t group0, int n) {
+  // Every row block of column groups [group0, group0 + n), with `sec` (if any)
+  // over its first n2 of them.
+  auto rows_of = [&](const PairGemm& pg, bool acc, std::int64_t group0, int n, const PairGemm* sec, int n2) {
     const std::int64_t rows = detail::rows_for(n);
     for (std::int64_t row0 = 0; row0 < m_rows; row0 += rows) {
       switch (n) {
-        case 4: detail::block<4>(acc, pg, row0, group0, nullptr, 0); break;
-        case 3: detail::block<3>(acc, pg, row0, group0, nullptr, 0); break;
-        case 2: detail::block<2>(acc, pg, row0, group0, nullptr, 0); break;
-        default: detail::block<1>(acc, pg, row0, group0, nullptr, 0); break;
+        case 4: detail::block<4>(acc, pg, row0, group0, sec, n2); break;
+        case 3: detail::block<3>(acc, pg, row0, group0, sec, n2); break;
+        case 2: detail::block<2>(acc, pg, row0, group0, sec, n2); break;
+        default: detail::block<1>(acc, pg, row0, group0, sec, n2); break;
       }
     }
   };
@@ -137,7 +139,7 @@ inline void gemm(bool accumulate, const PairGemm& g, std::int64_t m_rows, std::i
       part.a += k0 * pg.a_chunk;
       part.b += k0 * pg.b_chunk;
       part.k_chunks = std::min(slab, pg.k_chunks - k0);
-      rows_of(part, acc || k0 > 0, group0, n);
+      rows_of(part, acc || k0 > 0, group0, n, nullptr, 0);
     }
   };
   for (std::int64_t group0 = 0; group0 < n_groups; group0 += kCols) {
@@ -150,15 +152,7 @@ inline void gemm(bool accumulate, const PairGemm& g, std::int64_t m_rows, std::i
       if (sec) slabbed(*sec, true, group0, n2, std::max<std::int64_t>(1, kSlabBytes / (n2 * kChunkGroupBytes)));
       continue;
     }
-    const std::int64_t rows = detail::rows_for(n);
-    for (std::int64_t row0 = 0; row0 < m_rows; row0 += rows) {
-      switch (n) {
-        case 4: detail::block<4>(accumulate, g, row0, group0, sec, n2); break;
-        case 3: detail::block<3>(accumulate, g, row0, group0, sec, n2); break;
-        case 2: detail::block<2>(accumulate, g, row0, group0, sec, n2); break;
-        default: detail::block<1>(accumulate, g, row0, group0, sec, n2); break;
-      }
-    }
+    rows_of(g, accumulate, group0, n, sec, n2);
   }
 }
 
