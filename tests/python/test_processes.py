@@ -90,7 +90,7 @@ CONCURRENT = """
             assert_same(f.result(timeout=60), serial[seed])
     if not dsa.THREAD_RUNTIME:
         def threads():
-            return len(os.listdir("/proc/self/task"))
+            return set(os.listdir("/proc/self/task"))
         first = workload(0)
         workers = 1  # the pool's, from the 2-thread calls above
         for n in (1, 3, 2, 5, 1):
@@ -98,8 +98,11 @@ CONCURRENT = """
             torch.randn(1 << 20).exp().sum()  # torch's own team grows to n here, not in the count below
             before = threads()
             assert_same(workload(0), first)
-            # dsa's pool keeps its workers and grows exactly when a call asks for more.
-            assert threads() - before == max(0, n - 1 - workers), (n, workers, threads() - before)
+            # dsa's pool keeps its workers and grows exactly when a call asks for more. Counted
+            # as threads that appeared: one of torch's OpenMP threads may exit meanwhile after its
+            # team shrank (a fresh-clone CI run saw a net -1 at n = 2).
+            started = len(threads() - before)
+            assert started == max(0, n - 1 - workers), (n, workers, started)
             workers = max(workers, n - 1)
     print("OK")
 """
