@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "dsa/tensor.h"
 
@@ -56,6 +57,15 @@ inline void prefetch_key_row(const Shape& s, const KeyRows& keys, std::int64_t k
   const std::int64_t main_bytes = s.dim * static_cast<std::int64_t>(dtype_size(s.dtype));
   for (std::int64_t byte = 0; byte < main_bytes; byte += 64) _mm_prefetch(keys.main[k] + byte, _MM_HINT_T0);
   if (s.rope_dim) _mm_prefetch(keys.rope[k], _MM_HINT_T0);
+}
+
+// Key k of `keys` as one contiguous row of `padded` storage elements: the main
+// dims, the rope dims, zeros.
+inline void copy_key_row(const Shape& s, const KeyRows& keys, std::int64_t k, std::int64_t padded, char* row) {
+  const std::size_t es = dtype_size(s.dtype);
+  std::memcpy(row, keys.main[k], s.dim * es);
+  if (s.rope_dim) std::memcpy(row + s.dim * es, keys.rope[k], s.rope_dim * es);
+  std::memset(row + s.qk_dim() * es, 0, (padded - s.qk_dim()) * es);
 }
 
 // One query row: all heads of one token.
@@ -116,5 +126,8 @@ const AttentionKernel& avx512_kernel();
 const AttentionKernel& amx_kernel();
 // The same algorithm on AVX-512-BF16 dot products (bf16 inputs, no AMX).
 const AttentionKernel& avx512_bf16_kernel();
+// The fp32 FMA kernels with the forward's logits on AVX-512-BF16 dot products
+// (bf16 inputs): the bf16 forward of avx512_bf16_kernel().
+const AttentionKernel& avx512_bf16_forward_kernel();
 
 }  // namespace dsa::cpu::attention_kernels

@@ -46,7 +46,8 @@ const AttentionKernel& pick_kernel(DType dtype, Pass pass) {
     // model's gradients (docs/sparse_attention.md); the backward's bf16 products
     // did not, and run at 1.3x the FMA backward.
     case core::Isa::avx512_bf16:
-      return dtype == DType::bf16 && pass == Pass::backward ? avx512_bf16_kernel() : avx512_kernel();
+      if (dtype != DType::bf16) return avx512_kernel();
+      return pass == Pass::backward ? avx512_bf16_kernel() : avx512_bf16_forward_kernel();
     case core::Isa::avx512: return avx512_kernel();
     case core::Isa::avx2: return avx2_kernel();
     default: return portable_kernel();
