@@ -41,10 +41,10 @@ enum class Pass { forward, backward };
 const AttentionKernel& pick_kernel(DType dtype, Pass pass) {
   switch (core::cpu_isa()) {
     case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
-    // The forward stays on fp32 FMAs: with P rounded to bf16 for P.V the output
-    // that feeds the next layer carried measurably more error into a bf16
-    // model's gradients (docs/sparse_attention.md); the backward's bf16 products
-    // did not, and run at 1.3x the FMA backward.
+    // The forward's P.V stays on fp32 FMAs (its logits run on bf16 dots): with P
+    // rounded to bf16 the output that feeds the next layer carried measurably
+    // more error into a bf16 model's gradients (docs/sparse_attention.md); the
+    // backward's bf16 products did not, and run at 1.3x the FMA backward.
     case core::Isa::avx512_bf16:
       if (dtype != DType::bf16) return avx512_kernel();
       return pass == Pass::backward ? avx512_bf16_kernel() : avx512_bf16_forward_kernel();
