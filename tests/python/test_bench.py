@@ -208,6 +208,31 @@ def test_fp32_peer_only_for_bf16_cases_where_bf16_is_emulated():
     assert not runner.wants_fp32_peer(fp32, bf16_native=False)
 
 
+def test_emulated_bf16_peer_is_skipped_only_where_it_cannot_fit_the_budget():
+    bf16 = Case(name="z", setup=dict, impls={FUSED: len, NAIVE: len}, flops=1e12, dtype="bf16")
+    # 1 TFLOP at 1 GFLOP/s: 1000 s, over a 150 s budget.
+    why = runner.emulation_skip(bf16, NAIVE, 1e9, 150)
+    assert why and "emulated" in why and "1000 s" in why and "150 s" in why
+    assert runner.emulation_skip(bf16, NAIVE, 1e10, 150) is None  # 100 s fits
+    assert runner.emulation_skip(bf16, NAIVE, None, 150) is None  # bf16 native
+    assert runner.emulation_skip(bf16, NAIVE_FP32, 1e9, 150) is None  # the fp32 peer always runs
+    assert runner.emulation_skip(bf16, FUSED, 1e9, 150) is None
+    fp32 = Case(name="y", setup=dict, impls={FUSED: len, NAIVE: len}, flops=1e12, dtype="fp32")
+    assert runner.emulation_skip(fp32, NAIVE, 1e9, 150) is None
+    (r_fused, r_naive) = runner.run_case(bf16, {"compute": 1e12}, threads=1, memory=False, log=lambda *a: None,
+                                         isolate=False, emulated_bf16_flops=1e9, budget_s=5)
+    assert r_naive.skipped and "emulated" in r_naive.skipped and r_fused.median_ms is not None
+
+
+def test_torch_isa_env_covers_every_dsa_isa():
+    assert set(machine.TORCH_ISA_ENV) == {"portable", "avx2", "avx512", "avx512_bf16", "amx"}
+    assert machine.torch_isa_env("avx2") == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                             "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    assert machine.torch_isa_env("amx") == {}
+    with pytest.raises(ValueError, match="isa"):
+        machine.torch_isa_env("sse2")
+
+
 def test_upcast_casts_bf16_tensors_only_and_keeps_requires_grad():
     x = {"a": torch.ones(3, dtype=torch.bfloat16).requires_grad_(), "n": 7,
          "kw": {"b": torch.ones(2, dtype=torch.bfloat16), "i": torch.arange(3), "f": torch.ones(1)},
@@ -334,6 +359,10 @@ def test_quick_benchmark_under_a_lower_isa_is_bounded_and_names_its_ceiling():
     assert wall < bound, (wall, bound)
     label = {"avx2": "fp32 FMA avx2", "portable": "fp32 mul+add portable"}[isa]
     assert f"ISA {isa}" in proc.stdout
+    # torch held to the same ISA (its own variables, in a restarted process): on an
+    # AVX-512 machine its bf16 matmul is then the emulation an AVX2 CPU has.
+    assert f"ATEN_CPU_CAPABILITY={machine.torch_isa_env(isa)['ATEN_CPU_CAPABILITY']}" in proc.stdout
+    assert "torch held to" in proc.stderr
     compute_rows = [l for l in proc.stdout.splitlines() if l.startswith("| indexer/") and "| fused " in l]
     assert compute_rows and all(label in l for l in compute_rows), compute_rows
 

@@ -32,6 +32,29 @@ def _load_avg() -> float:
         return float("nan")
 
 
+_HELD = "DSA_BENCH_TORCH_ISA"  # set once torch has been held to dsa's ISA
+
+
+def _restart_with_torch_held(argv) -> None:
+    """Runs this benchmark again in a process whose torch is held to dsa's ISA.
+
+    torch is imported (and its ISA fixed) before this module runs, so the
+    variables only take effect in a new process.
+    """
+    from .. import _C
+    from .machine import torch_isa_env
+    isa = _C.cpu_isa()
+    env = dict(os.environ, **{_HELD: isa})
+    pkg_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k, v in torch_isa_env(isa).items():
+        env.setdefault(k, v)  # what the user set stays
+    args = sys.argv[1:] if argv is None else list(argv)
+    _log(f"dsa-bench: DSA_ISA={os.environ['DSA_ISA']}: torch held to {isa} too (--torch-isa native: not)")
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "dsa.bench", *args], env)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dsa-bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="only the quick cases (what `make run` runs)")
@@ -50,8 +73,13 @@ def main(argv=None) -> int:
     ap.add_argument("--bf16", choices=("auto", "native", "emulated"), default="auto",
                     help="treat torch's bf16 matmul as native or emulated instead of detecting it "
                          "(emulated: no bf16 GEMM ceiling, bf16 cases also run the naive peer in fp32)")
+    ap.add_argument("--torch-isa", choices=("auto", "native"), default="auto",
+                    help="auto: where DSA_ISA is set, torch (naive peers, its GEMM ceilings) is held to the "
+                         "same ISA, as on a CPU of that kind; native: torch uses all the CPU has")
     ap.add_argument("--list", action="store_true", help="list the selected cases and exit")
     args = ap.parse_args(argv)
+    if args.torch_isa == "auto" and os.environ.get("DSA_ISA") and not os.environ.get(_HELD):
+        _restart_with_torch_held(argv)
     if args.budget is not None and not args.budget > 0:
         ap.error(f"--budget: expected a positive number of seconds, got {args.budget}")
 
@@ -97,7 +125,8 @@ def main(argv=None) -> int:
         _log(f"dsa-bench: {case.name} (ceiling: {label})")
         results.extend(run_case(case, ceilings, threads, memory=not args.no_memory, log=_log,
                                 ceiling=key, ceiling_label=label,
-                                fp32_peer=wants_fp32_peer(case, probe["native"]), budget_s=budget))
+                                fp32_peer=wants_fp32_peer(case, probe["native"]), budget_s=budget,
+                                emulated_bf16_flops=None if probe["native"] else probe["bf16_flops"] * threads))
     machine["ceilings_used"] = used
     # Ceilings again at the end: with other load on the machine the two differ, and
     # the better of them is the fairer "what this machine reaches" (the lower % of ceiling).

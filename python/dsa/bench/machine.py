@@ -76,11 +76,43 @@ def machine_info(threads: int) -> dict:
         "threads": threads,
         "isa": _C.cpu_isa(),
         "torch": torch.__version__,
+        "torch_isa": torch_isa_info(),
         "python": platform.python_version(),
         "load_avg_1min_at_start": round(load, 2),
         "cache_flush_mib": cache_flush_bytes() >> 20,
     }
 
+
+
+# torch held to the ISA dsa runs, for DSA_ISA runs that stand for a smaller CPU
+# (``DSA_ISA=avx2`` on an AVX-512 machine measures what a Zen 3 user sees): ATen's
+# kernels, oneDNN (torch's bf16 matmul) and MKL (its fp32 GEMM) each read their own
+# variable once, at their first use, so the whole process must start with them.
+# On an AVX2-only CPU oneDNN has no bf16 path and torch's bf16 matmul is an
+# emulation (~1 GFLOP/s); so it is here with these set (measured on Zen 5).
+TORCH_ISA_ENV = {
+    "portable": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "avx512_bf16": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                    "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
+    "amx": {},
+}
+
+
+def torch_isa_env(isa: str) -> dict:
+    """The environment that holds torch to dsa's ISA ``isa`` (see TORCH_ISA_ENV)."""
+    if isa not in TORCH_ISA_ENV:
+        raise ValueError(f"isa: expected one of {', '.join(TORCH_ISA_ENV)}, got {isa!r}")
+    return dict(TORCH_ISA_ENV[isa])
+
+
+def torch_isa_info() -> dict:
+    """What torch runs at in this process: ATen's capability and the variables set."""
+    return {"aten": torch.backends.cpu.get_cpu_capability(),
+            "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+                    if k in os.environ}}
 
 
 # What the table calls each ceiling.

@@ -28,6 +28,14 @@ def _flops(x: Optional[float]) -> str:
     return f"{x / 1e12:.2f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.3g} GFLOP/s"
 
 
+def _torch_isa(machine: dict) -> str:
+    info = machine.get("torch_isa") or {}
+    if not info:
+        return ""
+    held = ", ".join(f"{k}={v}" for k, v in info.get("env", {}).items())
+    return f" (ATen {info.get('aten', '?')}" + (f"; held by {held}" if held else "") + ")"
+
+
 def header_lines(machine: dict, ceilings: dict) -> list[str]:
     """``ceilings``: the measured values by key; ``machine["bf16"]`` the probe_bf16 result."""
     isa = machine["isa"]
@@ -50,7 +58,7 @@ def header_lines(machine: dict, ceilings: dict) -> list[str]:
     budget = f"{budget:.0f} s" if isinstance(budget, (int, float)) else "a time budget"
     return [
         f"machine: {machine['cpu']}, {machine['threads']} of {machine['logical_cpus']} "
-        f"logical CPUs used, ISA {isa} (dsa's, after DSA_ISA), torch {machine['torch']}, "
+        f"logical CPUs used, ISA {isa} (dsa's, after DSA_ISA), torch {machine['torch']}{_torch_isa(machine)}, "
         f"load avg {machine['load_avg_1min_at_start']} at start, "
         f"{machine.get('load_avg_1min_at_end', '?')} at end",
         f"ceilings (same run, best of start/end): dsa peak {peaks}; "

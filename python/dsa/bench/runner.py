@@ -354,9 +354,24 @@ class Result:
     error: Optional[str] = None
 
 
+def emulation_skip(case: Case, impl: str, emulated_bf16_flops: Optional[float], budget_s: float) -> Optional[str]:
+    """Why the bf16 naive peer is not run where torch's bf16 matmul is emulated: the
+    case's own FLOPs at the emulation's rate (the probe's, times the threads; a lower
+    bound of the peer's time, which computes at least those) would not fit the budget.
+    It would only burn the budget to read 'over budget'; the fp32 peer runs instead."""
+    if impl != NAIVE or not emulated_bf16_flops or not case.flops or work_of(case) != ("compute", "bf16"):
+        return None
+    predicted = case.flops / emulated_bf16_flops
+    if predicted <= budget_s:
+        return None
+    return (f"bf16 matmul emulated here ({emulated_bf16_flops / 1e9:.2g} GFLOP/s): at least "
+            f"{predicted:.0f} s predicted, over the {budget_s:.0f} s budget")
+
+
 def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, *,
              ceiling: Optional[str] = None, ceiling_label: str = "", fp32_peer: bool = False,
-             budget_s: float = BUDGET_S, isolate: bool = True) -> list[Result]:
+             budget_s: float = BUDGET_S, isolate: bool = True,
+             emulated_bf16_flops: Optional[float] = None) -> list[Result]:
     """Times every implementation of ``case`` and compares it with ``ceiling``
     (a key of ``ceilings``; default: the case's own work kind, for callers that
     pass ceilings keyed "compute" / "copy_bw").
@@ -364,6 +379,8 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, 
     isolate: time each implementation in a child process killed after
     ``budget_s`` (what the CLI does); False times in this process, which
     bounds the number of runs but cannot stop a single slow call (tests).
+    emulated_bf16_flops: torch's emulated bf16 matmul rate where it is not native
+    (see emulation_skip).
     """
     work, _ = work_of(case)
     key = ceiling or work
@@ -374,7 +391,7 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, 
         r = Result(case=case.name, impl=impl, ceiling=key, ceiling_label=ceiling_label or key,
                    single_run=case.single_run)
         results.append(r)
-        why = skip_reason(case, impl)
+        why = skip_reason(case, impl) or emulation_skip(case, impl, emulated_bf16_flops, budget_s)
         if why is not None:
             r.skipped = why
             continue
