@@ -67,7 +67,7 @@ Isa best_isa(const CpuFeatures& f) {
 
 Isa choose_isa() {
   Isa isa = best_isa(cpu_features());
-  if (const char* env = std::getenv("DSA_ISA")) {
+  if (const char* env = std::getenv("DSA_ISA"); env && *env) {  // empty: unset
     std::string want(env);
     Isa cap = isa;
     if (want == "portable") cap = Isa::portable;
@@ -75,6 +75,13 @@ Isa choose_isa() {
     else if (want == "avx512") cap = Isa::avx512;
     else if (want == "avx512_bf16") cap = Isa::avx512_bf16;
     else if (want == "amx") cap = Isa::amx;
+    else
+      // An environment variable has no caller to throw to: say it once, run the CPU's best.
+      std::fprintf(stderr, "[dsa] DSA_ISA=%s: unknown (expected portable, avx2, avx512, avx512_bf16 or amx); "
+                   "using %s\n", env, isa_name(isa));
+    if (cap > isa)
+      std::fprintf(stderr, "[dsa] DSA_ISA=%s: this CPU has %s at most; using %s\n", env, isa_name(isa),
+                   isa_name(isa));
     if (cap < isa) isa = cap;  // DSA_ISA only lowers: it never enables what the CPU lacks
   }
   if (debug_logging()) std::fprintf(stderr, "[dsa] cpu backend uses ISA %s\n", isa_name(isa));

@@ -337,6 +337,18 @@ def test_every_isa_path(isa, isa_runs):
     used = _isa_used(isa_runs, isa)
     # DSA_ISA only lowers the ISA, never raises it beyond what the machine has.
     assert used == ISA_ORDER[min(ISA_ORDER.index(isa), ISA_ORDER.index(best))]
+    # Asking for more than the CPU has is said, not silently lowered.
+    out = _ISA_RESULTS[isa][1]
+    assert (f"DSA_ISA={isa}: this CPU has {best} at most" in out) == (ISA_ORDER.index(isa) > ISA_ORDER.index(best))
+
+
+def test_unknown_isa_is_named_and_the_best_one_runs(isa_runs):
+    env = dict(os.environ, DSA_ISA="avx3", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    proc = subprocess.run([sys.executable, "-c", "import dsa; print(dsa._C.cpu_isa())"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "DSA_ISA=avx3: unknown (expected portable, avx2, avx512, avx512_bf16 or amx)" in proc.stderr
+    assert proc.stdout.strip() == _isa_used(isa_runs, None)
 
 
 # ---- torch integration ----
