@@ -170,6 +170,28 @@ def test_opcheck_and_compile():
             torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("path", ["eager", "custom_op"])
+def test_backward_gets_no_zero_filled_statistics_gradient(path):
+    # HCA-like: many slots, so the forward saves statistics for the backward.
+    kv, gate, bias = make_inputs((64,), 8, 16, torch.float32)
+    args = (kv.requires_grad_(), gate.requires_grad_(), bias.requires_grad_())
+    if path == "eager":
+        call = lambda: dsa_compressor(*args, ratio=16, query_lengths=[64])[0]  # noqa: E731
+    else:  # the torch.library op, as torch.compile and functorch call it
+        call = lambda: _compressor_op(*args, 16, False, torch.tensor([64]), 4, "TND", "cpu", True)[0]  # noqa: E731
+    out = call()
+    seed = torch.ones_like(out)
+    with torch.profiler.profile() as prof:
+        grads = torch.autograd.grad(out, args, seed)
+    filled = [e.key for e in prof.key_averages() if e.key in ("aten::zeros", "aten::zero_", "aten::fill_")]
+    assert filled == [], filled
+    ref_args = tuple(a.detach().clone().requires_grad_() for a in args)
+    ref_out = dsa_compressor(*ref_args, ratio=16, query_lengths=[64], backend="reference")[0]
+    expected = torch.autograd.grad(ref_out, ref_args, torch.ones_like(ref_out))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_tensor_lengths_trace_under_compile():
     # Tensor lengths: the TND row count becomes an unbacked size, BSND needs none;
     # no graph break either way, and the same values and gradients as eager.
