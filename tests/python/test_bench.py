@@ -206,6 +206,13 @@ def test_fp32_peer_only_for_bf16_cases_where_bf16_is_emulated():
     assert runner.skip_reason(big, NAIVE_FP32) == big.skip[NAIVE]
     fp32 = Case(name="y", setup=dict, impls={FUSED: len, NAIVE: len}, flops=1.0, dtype="fp32")
     assert not runner.wants_fp32_peer(fp32, bf16_native=False)
+    # The dense KL peer fits in bf16 on this project's 24 GiB machines, not in fp32.
+    from dsa.bench.case import memory_gib
+    from dsa.bench.cases.kl_loss import DENSE_T4096_FP32_PEER_GIB
+    dense = cases["kl_loss/dense/bf16/T4096"]
+    assert runner.skip_reason(dense, NAIVE) is None
+    fp32_skip = runner.skip_reason(dense, NAIVE_FP32)
+    assert (fp32_skip is not None) == (memory_gib() < DENSE_T4096_FP32_PEER_GIB), fp32_skip
 
 
 def test_emulated_bf16_peer_is_skipped_only_where_it_cannot_fit_the_budget():

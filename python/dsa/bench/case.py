@@ -11,6 +11,7 @@ GEMM is native here).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -19,6 +20,11 @@ FUSED, NAIVE, REFERENCE = "fused", "naive", "reference"
 # The naive peer on inputs cast to fp32: added by the harness to a bf16 case
 # where torch's bf16 is emulated (what a user there would run instead).
 NAIVE_FP32 = "naive_fp32"
+
+def memory_gib() -> float:
+    """This machine's physical memory in GiB, for cases whose peer fits only on some."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+
 
 # Old ceiling names, still accepted: they name the work and the dtype at once.
 LEGACY_CEILINGS = {"bf16_gemm": ("compute", "bf16"), "fp32_gemm": ("compute", "fp32")}
