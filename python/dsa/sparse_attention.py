@@ -105,9 +105,14 @@ def _setup_context(ctx, inputs, output):
                           query_lengths, key_lengths, out, softmax_max, softmax_sum)
     ctx.params = (scale, d_v, window, cmp_ratio, layout, backend)
     ctx.mark_non_differentiable(softmax_max, softmax_sum)
+    # The statistics never get a gradient: without this autograd would hand the
+    # backward two zero-filled [T, H] fp32 tensors on every call.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, grad_max, grad_sum):
+    if grad_out is None:  # grads are not materialized: the output got none
+        return (None,) * 16
     (query, kv, indices, cmp_kv, cmp_indices, sinks, query_rope, key_rope, query_lengths,
      key_lengths, out, softmax_max, softmax_sum) = ctx.saved_tensors
     scale, d_v, window, cmp_ratio, layout, backend = ctx.params

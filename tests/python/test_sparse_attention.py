@@ -276,3 +276,20 @@ def test_bad_inputs():
     for call, needle in cases:
         with pytest.raises(ValueError, match=needle):
             call()
+
+
+def test_backward_gets_no_zero_filled_statistics_gradients():
+    torch.manual_seed(0)
+    q = torch.randn(6, 4, 40, requires_grad=True)
+    kv = torch.randn(6, 40, requires_grad=True)
+    out, _, _ = dsa.dsa_sparse_attention(q, kv, scale=0.2, d_v=32)
+    seed = torch.randn_like(out)
+    with torch.profiler.profile() as prof:
+        got = torch.autograd.grad(out, (q, kv), seed)
+    filled = [e.key for e in prof.key_averages() if e.key in ("aten::zeros", "aten::zero_", "aten::fill_")]
+    assert filled == [], filled
+    q2, kv2 = q.detach().clone().requires_grad_(), kv.detach().clone().requires_grad_()
+    ref = dsa.dsa_sparse_attention(q2, kv2, scale=0.2, d_v=32, backend="reference")[0]
+    want = torch.autograd.grad(ref, (q2, kv2), seed)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
