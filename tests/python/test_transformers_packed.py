@@ -4,11 +4,12 @@ pools compressed blocks across documents, so it is no oracle."""
 from __future__ import annotations
 
 import copy
+import statistics
 
 import pytest
 import torch
 
-from _hf_models import build, check_grads, check_rule
+from _hf_models import build, check_grads, check_rule, floor_model, max_err
 
 from dsa.integrations.transformers import fallback_counts, patch
 
@@ -56,7 +57,13 @@ def _check(kind, packed_kwargs, rows=ROWS, overrides=None, patch_kwargs=None, dt
     naive = _separate(copy.deepcopy(model).to(dtype), ids, weight, rows)
     oracle = _separate(copy.deepcopy(model).double(), ids, weight, rows)
     check_rule("packed logits", got[0], naive[0], oracle[0], dtype)
-    check_grads(got[1], naive[1], oracle[1], dtype, indexer_trains=bool((patch_kwargs or {}).get("indexer_loss")))
+    floor_patched = floor_model(model, dtype, patch_kwargs)
+    floor = None
+    if floor_patched is not None:  # bf16: see check_rule's floor
+        floor_logits, floor = _packed(floor_patched, ids, pos, weight, **packed_kwargs)
+        check_rule("reference backend packed logits", floor_logits, naive[0], oracle[0], dtype)
+    check_grads(got[1], naive[1], oracle[1], dtype, indexer_trains=bool((patch_kwargs or {}).get("indexer_loss")),
+                floor=floor)
     assert fallback_counts(patched) == {}, fallback_counts(patched)
 
 
@@ -65,10 +72,46 @@ def test_packed_position_ids(kind):
     _check(kind, dict(use_cache=False))
 
 
+# bf16 gradients over several inputs. For one input the worst gradient's ratio
+# err / (2 * yardstick) is noise of about +-0.3 for a fixed kernel (the hyper-connection
+# mixers; docs/transformers.md, "bf16 gradients"), so the rule holds for the median over
+# these seeds of each seed's worst ratio. It fails a kernel that loses one bit of the
+# attention output, or rounds P to bf16 for P.V (measured in the doc).
+BF16_SEEDS = (3, 4, 5, 6, 7)
+
+
+def bf16_ratios(kind, seed):
+    """(per-gradient err / (2 * yardstick + 1e-5), patched model) for one input seed; the
+    logits (patched and reference backend) meet the plain rule on every seed."""
+    model = build(kind, **(dict(index_topk=16) if kind == "v4" else {}))  # see test_all_on
+    ids, pos, weight = _inputs(ROWS, seed=seed)
+    patched = patch(copy.deepcopy(model).to(torch.bfloat16))
+    got = _packed(patched, ids, pos, weight, use_cache=False)
+    floor = _packed(floor_model(model, torch.bfloat16), ids, pos, weight, use_cache=False)
+    naive = _separate(copy.deepcopy(model).to(torch.bfloat16), ids, weight, ROWS)
+    oracle = _separate(copy.deepcopy(model).double(), ids, weight, ROWS)
+    check_rule("packed logits", got[0], naive[0], oracle[0], torch.bfloat16)
+    check_rule("reference backend packed logits", floor[0], naive[0], oracle[0], torch.bfloat16)
+    ratios = {}
+    for name, go in oracle[1].items():
+        if go is None or naive[1][name] is None:
+            assert got[1][name] is None, f"{name}: gradient presence differs"
+            continue
+        assert got[1][name] is not None, f"{name}: no gradient through the patch"
+        yardstick = max(max_err(naive[1][name], go), max_err(floor[1][name], go))
+        ratios[name] = max_err(got[1][name], go) / (2 * yardstick + 1e-5)
+    return ratios, patched
+
+
 @pytest.mark.parametrize("kind", ["v4", "v32"])
 def test_packed_bf16(kind):
-    # bf16 V4: a top-k covering every compressed entry (see test_all_on in test_transformers_parity.py).
-    _check(kind, dict(use_cache=False), dtype=torch.bfloat16, overrides=dict(index_topk=16) if kind == "v4" else None)
+    runs = [bf16_ratios(kind, seed) for seed in BF16_SEEDS]
+    for patched in (r[1] for r in runs):
+        assert fallback_counts(patched) == {}, fallback_counts(patched)
+    worst = [max(r[0].items(), key=lambda item: item[1]) for r in runs]
+    median = statistics.median(ratio for _, ratio in worst)
+    assert median <= 1.0, (f"median over seeds {BF16_SEEDS} of the worst gradient's err / (2 * yardstick + 1e-5) is "
+                           f"{median:.2f}: " + ", ".join(f"{ratio:.2f} ({name})" for name, ratio in worst))
 
 
 @pytest.mark.parametrize("kind", ["v4", "v32"])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _hf_models import build, check_model, run, three
+from _hf_models import build, check_model, floor_model, run, three
 
 from dsa.integrations.transformers import fallback_counts
 
@@ -26,8 +26,10 @@ def _compare(kind, dtype, ids, patch_kwargs=None, overrides=None, **call):
     patched, naive, oracle = three(model, dtype, patch_kwargs)
     call.setdefault("use_cache", False)
     results = [run(m, ids, **call) for m in (patched, naive, oracle)]
+    floor = floor_model(model, dtype, patch_kwargs)
     check_model(results[0], results[1], results[2], dtype,
-                indexer_trains=bool((patch_kwargs or {}).get("indexer_loss")))
+                indexer_trains=bool((patch_kwargs or {}).get("indexer_loss")),
+                floor_run=run(floor, ids, **call) if floor is not None else None)
     assert fallback_counts(patched) == {}, fallback_counts(patched)
     return patched, results
 
@@ -109,9 +111,13 @@ def test_right_padding(kind, use_cache, dtype):
     labels = ids.masked_fill(mask == 0, -100)
     # bf16 V4: a top-k covering every compressed entry (see test_all_on).
     model = build(kind, **(dict(index_topk=16) if kind == "v4" and dtype == torch.bfloat16 else {}))
-    patched, naive, oracle = three(model, dtype, dict(indexer_loss="sparse") if dtype == torch.float32 else None)
+    patch_kwargs = dict(indexer_loss="sparse") if dtype == torch.float32 else None
+    patched, naive, oracle = three(model, dtype, patch_kwargs)
+    floor = floor_model(model, dtype, patch_kwargs)
     # use_cache=None: the default, True even in training, so a cache is built and filled.
     res = [run(m, ids, labels=labels, attention_mask=mask, use_cache=use_cache) for m in (patched, naive, oracle)]
     # Padded positions are garbage in the model and 0-attention in dsa; only valid ones compare.
-    check_model(res[0], res[1], res[2], dtype, positions=mask.bool(), indexer_trains=dtype == torch.float32)
+    check_model(res[0], res[1], res[2], dtype, positions=mask.bool(), indexer_trains=dtype == torch.float32,
+                floor_run=run(floor, ids, labels=labels, attention_mask=mask, use_cache=use_cache)
+                if floor is not None else None)
     assert fallback_counts(patched) == {}
