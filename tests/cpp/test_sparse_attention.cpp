@@ -14,6 +14,7 @@
 
 #include "core/cpu_features.h"
 #include "core/numeric.h"
+#include "cpu/sparse_attention/attention_kernels.h"
 #include "dsa/error.h"
 #include "dsa/sparse_attention.h"
 
@@ -244,10 +245,22 @@ Config tnd(std::vector<std::int64_t> q, std::vector<std::int64_t> k) {
   return c;
 }
 
+// An ISA parameter past amx: avx512_bf16 with the pair kernels' own bf16 forward, the
+// AMX forward's algorithm on vdpbf16ps (so AVX512-BF16 machines test it too).
+constexpr int kPairForwardOnBf16Dots = static_cast<int>(core::Isa::amx) + 1;
+
 class SparseAttentionModes : public ::testing::TestWithParam<std::tuple<DType, int>> {
  protected:
-  void SetUp() override { core::limit_isa_for_testing(static_cast<core::Isa>(std::get<1>(GetParam()))); }
-  void TearDown() override { core::limit_isa_for_testing(core::Isa::amx); }
+  void SetUp() override {
+    const int isa = std::get<1>(GetParam());
+    const bool pairs = isa == kPairForwardOnBf16Dots;
+    core::limit_isa_for_testing(pairs ? core::Isa::avx512_bf16 : static_cast<core::Isa>(isa));
+    cpu::attention_kernels::use_pair_forward_for_testing(pairs);
+  }
+  void TearDown() override {
+    core::limit_isa_for_testing(core::Isa::amx);
+    cpu::attention_kernels::use_pair_forward_for_testing(false);
+  }
   DType dtype() const { return std::get<0>(GetParam()); }
 };
 
@@ -414,7 +427,7 @@ INSTANTIATE_TEST_SUITE_P(
                        ::testing::Values(static_cast<int>(core::Isa::portable), static_cast<int>(core::Isa::avx2),
                                          static_cast<int>(core::Isa::avx512),
                                          static_cast<int>(core::Isa::avx512_bf16),
-                                         static_cast<int>(core::Isa::amx))));
+                                         static_cast<int>(core::Isa::amx), kPairForwardOnBf16Dots)));
 
 TEST(SparseAttention, SinkExtremes) {
   for (float sink : {-INFINITY, 0.0f, 60.0f}) {

@@ -130,4 +130,8 @@ const AttentionKernel& avx512_bf16_kernel();
 // (bf16 inputs): the bf16 forward of avx512_bf16_kernel().
 const AttentionKernel& avx512_bf16_forward_kernel();
 
+// Tests only: at the avx512_bf16 level the bf16 forward runs avx512_bf16_kernel()'s
+// own, the AMX forward's algorithm, which otherwise only AMX CPUs run.
+void use_pair_forward_for_testing(bool on);
+
 }  // namespace dsa::cpu::attention_kernels

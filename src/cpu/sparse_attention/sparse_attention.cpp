@@ -17,6 +17,7 @@
 // Phase 2 recomputes the logits and dP that phase 1 also computed: two extra
 // GEMMs per attended pair buy determinism without atomics or O(T*K*D) buffers.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <new>
@@ -38,6 +39,11 @@ constexpr std::int64_t kRowsPerTask = 4;
 
 enum class Pass { forward, backward };
 
+std::atomic<bool>& pair_forward_for_testing() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
 const AttentionKernel& pick_kernel(DType dtype, Pass pass) {
   switch (core::cpu_isa()) {
     case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
@@ -47,6 +53,7 @@ const AttentionKernel& pick_kernel(DType dtype, Pass pass) {
     // backward's bf16 products did not, and run at 1.3x the FMA backward.
     case core::Isa::avx512_bf16:
       if (dtype != DType::bf16) return avx512_kernel();
+      if (pair_forward_for_testing().load(std::memory_order_relaxed)) return avx512_bf16_kernel();
       return pass == Pass::backward ? avx512_bf16_kernel() : avx512_bf16_forward_kernel();
     case core::Isa::avx512: return avx512_kernel();
     case core::Isa::avx2: return avx2_kernel();
@@ -270,6 +277,10 @@ float row_dot(const char* a, const char* b, DType dtype, std::int64_t n) {
 }
 
 }  // namespace
+
+namespace attention_kernels {
+void use_pair_forward_for_testing(bool on) { pair_forward_for_testing().store(on); }
+}  // namespace attention_kernels
 
 void sparse_attention_fwd(const SparseAttentionProblem& p) {
   // No query rows: nothing to write, and the scratch must not be sized from H
