@@ -526,6 +526,39 @@ TEST(KlLoss, NoQueryRowsWithHugeHeadsOrDims) {
   }
 }
 
+// Found by fuzz_kl_loss (corpus: regression-empty-query-huge-index-heads-*): the
+// sparse backward's dK pass has tasks whenever there are key rows, and sized
+// per-row buffers from the index head count, which with no query rows nothing
+// bounds. dK of no rows is 0, on every ISA path.
+TEST(KlLoss, SparseBackwardWithoutQueryRowsAndHugeIndexHeads) {
+  const std::int64_t huge = std::int64_t{1} << 40, S = 40, Di = 3;
+  float f = 0;
+  std::int32_t idx = 0;
+  auto no_rows = [&](std::initializer_list<std::int64_t> shape) {  // [0, 2^40, ...]: addresses nothing
+    TensorView v = make_view(&f, DType::f32, shape);
+    v.shape[1] = huge;
+    for (int d = v.ndim - 2; d >= 0; --d) v.strides[d] = v.strides[d + 1] * v.shape[d + 1];
+    return v;
+  };
+  std::vector<float> index_key(S * Di, 0.5f);
+  for (int isa : {static_cast<int>(core::Isa::portable), static_cast<int>(core::Isa::avx2),
+                  static_cast<int>(core::Isa::avx512), static_cast<int>(core::Isa::avx512_bf16),
+                  static_cast<int>(core::Isa::amx)}) {
+    core::limit_isa_for_testing(static_cast<core::Isa>(isa));
+    std::vector<float> d_index_key(S * Di, 7.0f);
+    KlLossParams params;
+    params.cu_seqlens_q = {0, 0};
+    params.cu_seqlens_k = {0, S};
+    EXPECT_NO_THROW(kl_loss_bwd(make_view(&idx, DType::i32, {0, 4}), no_rows({0, 1, Di}),
+                                make_view(index_key.data(), DType::f32, {S, Di}), no_rows({0, 1}),
+                                make_view(&f, DType::f32, {0, 4}), 1.0f, params, no_rows({0, 1, Di}),
+                                make_view(d_index_key.data(), DType::f32, {S, Di}), no_rows({0, 1}), Backend::cpu))
+        << core::isa_name(core::cpu_isa());
+    for (float g : d_index_key) ASSERT_EQ(g, 0.0f) << core::isa_name(core::cpu_isa());
+  }
+  core::limit_isa_for_testing(core::Isa::amx);
+}
+
 // Found by fuzz_kl_loss (corpus: regression-rope-dim-overflow-*): with no rows,
 // query [0, 1, 1] and query_rope [0, 1, INT64_MAX] are each valid, but the
 // fused forward first sums D + Dr, which overflowed int64. Rejected now.
