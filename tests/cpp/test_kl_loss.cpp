@@ -559,6 +559,38 @@ TEST(KlLoss, SparseBackwardWithoutQueryRowsAndHugeIndexHeads) {
   core::limit_isa_for_testing(core::Isa::amx);
 }
 
+// The same flaw's other side, not reached by the fuzzer yet: query rows but no key
+// rows (2 raw keys at cmp_ratio 4 are no compressed entry), so nothing bounds the key
+// dim D when H = 0 ([2, 0, 2^40] and [0, 2^40] address nothing); the fused forward
+// sized its key tiles from it. No key is valid: loss 0.
+TEST(KlLoss, SparseForwardWithoutKeyRowsAndHugeKeyDim) {
+  const std::int64_t huge = std::int64_t{1} << 40, T = 2, K = 4, Hi = 1, Di = 3;
+  float f = 0;
+  std::vector<std::int32_t> idx(T * K, 0);
+  std::vector<float> iq(T * Hi * Di, 0.5f), w(T * Hi, 1.0f);
+  TensorView query = make_view(&f, DType::f32, {T, 0, 1}), kv = make_view(&f, DType::f32, {0, 1});
+  query.shape[2] = huge;
+  kv.shape[1] = huge;
+  for (int isa : {static_cast<int>(core::Isa::portable), static_cast<int>(core::Isa::avx2),
+                  static_cast<int>(core::Isa::avx512), static_cast<int>(core::Isa::avx512_bf16),
+                  static_cast<int>(core::Isa::amx)}) {
+    core::limit_isa_for_testing(static_cast<core::Isa>(isa));
+    float loss = -1.0f;
+    KlLossParams params;
+    params.cmp_ratio = 4;
+    params.cu_seqlens_q = {0, T};
+    params.cu_seqlens_k = {0, T};
+    EXPECT_NO_THROW(kl_loss_fwd(query, kv, make_view(idx.data(), DType::i32, {T, K}),
+                                make_view(&f, DType::f32, {T, 0}), make_view(&f, DType::f32, {T, 0}),
+                                make_view(iq.data(), DType::f32, {T, Hi, Di}), make_view(&f, DType::f32, {0, Di}),
+                                make_view(w.data(), DType::f32, {T, Hi}), TensorView{}, TensorView{}, TensorView{},
+                                params, make_view(&loss, DType::f32, {1}), TensorView{}, Backend::cpu))
+        << core::isa_name(core::cpu_isa());
+    EXPECT_EQ(loss, 0.0f) << core::isa_name(core::cpu_isa());
+  }
+  core::limit_isa_for_testing(core::Isa::amx);
+}
+
 // Found by fuzz_kl_loss (corpus: regression-rope-dim-overflow-*): with no rows,
 // query [0, 1, 1] and query_rope [0, 1, INT64_MAX] are each valid, but the
 // fused forward first sums D + Dr, which overflowed int64. Rejected now.
