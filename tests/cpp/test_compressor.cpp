@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/cpu_features.h"
+#include "isa_paths.h"
 #include "core/numeric.h"
 #include "dsa/compressor.h"
 #include "dsa/error.h"
@@ -186,7 +187,10 @@ void expect_alignment_free(const Case& cs) {
 
 class CompressorIsa : public ::testing::TestWithParam<dsa::core::Isa> {
  protected:
-  void SetUp() override { dsa::core::limit_isa_for_testing(GetParam()); }
+  void SetUp() override {
+    if (const std::string why = dsa_testing::skip_reason(GetParam()); !why.empty()) GTEST_SKIP() << why;
+    dsa::core::limit_isa_for_testing(GetParam());
+  }
   void TearDown() override { dsa::core::limit_isa_for_testing(dsa::core::Isa::amx); }
 };
 

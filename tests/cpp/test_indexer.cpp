@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "core/cpu_features.h"
+#include "isa_paths.h"
 #include "core/numeric.h"
 #include "core/sequences.h"
 #include "dsa/error.h"
@@ -263,15 +264,6 @@ void expect_close_selection(const Problem& p, const Result& fused, const Result&
   }
 }
 
-std::vector<Isa> isa_paths() {
-  dsa::core::limit_isa_for_testing(Isa::amx);
-  const Isa best = dsa::core::cpu_isa();
-  std::vector<Isa> out;
-  for (Isa isa : {Isa::portable, Isa::avx2, Isa::avx512, Isa::avx512_bf16, Isa::amx})
-    if (static_cast<int>(isa) <= static_cast<int>(best)) out.push_back(isa);
-  return out;
-}
-
 struct IsaLimit {
   explicit IsaLimit(Isa isa) { dsa::core::limit_isa_for_testing(isa); }
   ~IsaLimit() { dsa::core::limit_isa_for_testing(Isa::amx); }  // the cap never raises: amx = no cap
@@ -409,7 +401,7 @@ std::int64_t max_visible(const Problem& p) {
 }
 
 TEST(Indexer, FusedMatchesReferenceOnEveryIsa) {
-  const auto paths = isa_paths();
+  const auto paths = dsa_testing::distinct_paths();
   ASSERT_FALSE(paths.empty());
   std::uint32_t seed = 1;
   for (const Case& c : cases()) {
@@ -444,7 +436,7 @@ TEST(Indexer, TiesAndNanOrderByHand) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   float k[6] = {2.0f, nan, 3.0f, 2.0f, -1.0f, 3.0f};  // scores 2, NaN, 3, 2, 0, 3
   for (auto backend : {dsa::Backend::reference, dsa::Backend::cpu}) {
-    for (Isa isa : isa_paths()) {
+    for (Isa isa : dsa_testing::distinct_paths()) {
       IsaLimit limit(isa);
       for (std::int64_t topk : {1, 2, 3, 4, 5, 6, 8}) {
         dsa::IndexerParams params;
@@ -476,7 +468,7 @@ TEST(Indexer, ThreadCountDoesNotChangeBits) {
   c.topk = 20;
   // Padded heads and dims; then heads in 16-row tiles with a wide dim (direct query loads).
   for (auto [heads, dim] : {std::pair<std::int64_t, std::int64_t>{5, 96}, {48, 576}})
-  for (Isa isa : isa_paths()) {
+  for (Isa isa : dsa_testing::distinct_paths()) {
     IsaLimit limit(isa);
     c.heads = heads;
     c.dim = dim;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/cpu_features.h"
+#include "isa_paths.h"
 #include "core/numeric.h"
 #include "dsa/dsa.h"
 
@@ -177,7 +178,10 @@ void expect_identical(const Buffer& a, const Buffer& b, const char* what) {
 
 class KlIsa : public ::testing::TestWithParam<core::Isa> {
  protected:
-  void SetUp() override { core::limit_isa_for_testing(GetParam()); }
+  void SetUp() override {
+    if (const std::string why = dsa_testing::skip_reason(GetParam()); !why.empty()) GTEST_SKIP() << why;
+    core::limit_isa_for_testing(GetParam());
+  }
   void TearDown() override { core::limit_isa_for_testing(core::Isa::amx); }
 };
 
@@ -218,7 +222,7 @@ TEST_P(KlIsa, SparseDeterministicAcrossThreads) {
 const SparseCase::Heads kSparseShapes[] = {{16, 64, 32, 32}, {48, 128, 64, 128}, {80, 576, 96, 96}};
 
 TEST(KlLossTiles, SparseBf16MatchesReference) {
-  for (core::Isa isa : {core::Isa::avx512, core::Isa::avx512_bf16, core::Isa::amx})
+  for (core::Isa isa : dsa_testing::distinct_paths({core::Isa::avx512, core::Isa::avx512_bf16, core::Isa::amx}))
     for (const auto& shape : kSparseShapes)
       for (bool with_sinks : {false, true}) {
         core::limit_isa_for_testing(isa);
@@ -242,7 +246,7 @@ TEST(KlLossTiles, SparseBf16MatchesReference) {
 }
 
 TEST(KlLossTiles, SparseBf16DeterministicAcrossThreads) {
-  for (core::Isa isa : {core::Isa::avx512_bf16, core::Isa::amx})
+  for (core::Isa isa : dsa_testing::distinct_paths({core::Isa::avx512_bf16, core::Isa::amx}))
     for (const auto& shape : kSparseShapes) {
       core::limit_isa_for_testing(isa);
       SCOPED_TRACE(std::string(core::isa_name(isa)) + " H " + std::to_string(shape.h));
@@ -385,7 +389,7 @@ TEST_P(KlIsa, DenseDeterministicAcrossThreads) {
 const DenseCase::Dims kDenseShapes[] = {{32, 32, 5, 64}, {128, 64, 3, 96}, {64, 32, 2, 32}};
 
 TEST(KlLossTiles, DenseBf16MatchesReference) {
-  for (core::Isa isa : {core::Isa::avx512, core::Isa::avx512_bf16, core::Isa::amx})
+  for (core::Isa isa : dsa_testing::distinct_paths({core::Isa::avx512, core::Isa::avx512_bf16, core::Isa::amx}))
     for (const auto& dims : kDenseShapes)
       for (std::int64_t hk : {4, 1}) {
         core::limit_isa_for_testing(isa);
@@ -407,7 +411,7 @@ TEST(KlLossTiles, DenseBf16MatchesReference) {
 }
 
 TEST(KlLossTiles, DenseBf16DeterministicAcrossThreads) {
-  for (core::Isa isa : {core::Isa::avx512_bf16, core::Isa::amx})
+  for (core::Isa isa : dsa_testing::distinct_paths({core::Isa::avx512_bf16, core::Isa::amx}))
     for (const auto& dims : kDenseShapes) {
       core::limit_isa_for_testing(isa);
       SCOPED_TRACE(std::string(core::isa_name(isa)) + " Di " + std::to_string(dims.di));
@@ -541,10 +545,8 @@ TEST(KlLoss, SparseBackwardWithoutQueryRowsAndHugeIndexHeads) {
     return v;
   };
   std::vector<float> index_key(S * Di, 0.5f);
-  for (int isa : {static_cast<int>(core::Isa::portable), static_cast<int>(core::Isa::avx2),
-                  static_cast<int>(core::Isa::avx512), static_cast<int>(core::Isa::avx512_bf16),
-                  static_cast<int>(core::Isa::amx)}) {
-    core::limit_isa_for_testing(static_cast<core::Isa>(isa));
+  for (core::Isa isa : dsa_testing::distinct_paths()) {
+    core::limit_isa_for_testing(isa);
     std::vector<float> d_index_key(S * Di, 7.0f);
     KlLossParams params;
     params.cu_seqlens_q = {0, 0};
@@ -571,10 +573,8 @@ TEST(KlLoss, SparseForwardWithoutKeyRowsAndHugeKeyDim) {
   TensorView query = make_view(&f, DType::f32, {T, 0, 1}), kv = make_view(&f, DType::f32, {0, 1});
   query.shape[2] = huge;
   kv.shape[1] = huge;
-  for (int isa : {static_cast<int>(core::Isa::portable), static_cast<int>(core::Isa::avx2),
-                  static_cast<int>(core::Isa::avx512), static_cast<int>(core::Isa::avx512_bf16),
-                  static_cast<int>(core::Isa::amx)}) {
-    core::limit_isa_for_testing(static_cast<core::Isa>(isa));
+  for (core::Isa isa : dsa_testing::distinct_paths()) {
+    core::limit_isa_for_testing(isa);
     float loss = -1.0f;
     KlLossParams params;
     params.cmp_ratio = 4;

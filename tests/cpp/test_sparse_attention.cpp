@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "core/cpu_features.h"
+#include "isa_paths.h"
 #include "core/numeric.h"
 #include "cpu/sparse_attention/attention_kernels.h"
 #include "dsa/error.h"
@@ -254,7 +255,9 @@ class SparseAttentionModes : public ::testing::TestWithParam<std::tuple<DType, i
   void SetUp() override {
     const int isa = std::get<1>(GetParam());
     const bool pairs = isa == kPairForwardOnBf16Dots;
-    core::limit_isa_for_testing(pairs ? core::Isa::avx512_bf16 : static_cast<core::Isa>(isa));
+    const core::Isa needs = pairs ? core::Isa::avx512_bf16 : static_cast<core::Isa>(isa);
+    if (const std::string why = dsa_testing::skip_reason(needs); !why.empty()) GTEST_SKIP() << why;
+    core::limit_isa_for_testing(needs);
     cpu::attention_kernels::use_pair_forward_for_testing(pairs);
   }
   void TearDown() override {
