@@ -2,6 +2,7 @@
 // validation, shared by their backends.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "core/numeric.h"
@@ -47,6 +48,13 @@ struct SparseKlIndexerSide {
   // Whether entry `idx` of query i of `seq` is read (section 2).
   bool valid(const core::SequenceSlice& seq, std::int64_t i, std::int32_t idx) const {
     return idx >= 0 && idx < seq.c_len && idx < visible_compressed(seq.position(i), ratio);
+  }
+
+  // Whether some sequence has a key. Only then do the key dims address memory, so only
+  // then may a kernel size buffers from them: without keys a [0, 2^40] key tensor is
+  // legal (found by fuzz_kl_loss).
+  bool any_key_rows() const {
+    return std::any_of(plan.seqs.begin(), plan.seqs.end(), [](const core::SequenceSlice& s) { return s.c_len > 0; });
   }
 };
 
