@@ -46,7 +46,8 @@ def test_resume_continues_the_saved_run(tmp_path):
 def test_compare_writes_tables_json_and_png(tmp_path):
     out, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
     r = train("--compare", "--steps", "3", "--warmup-steps", "1", "--json", str(out), "--plot", str(png),
-              "--memory-budget", "0.52")  # ~10 layers of the tiny model over a ~0.44 GiB baseline: doubling, then bisection
+              "--memory-budget", "0.6")  # ~20 layers of the tiny model: doubling, then bisection. Not lower: a
+              # 1-layer probe read 0.45 GiB in one run and 0.52 in the next (baseline 0.43-0.44 GiB)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["runs"]) == {"unpatched", "sas", "sas+li"}
@@ -73,7 +74,7 @@ def test_compare_writes_tables_json_and_png(tmp_path):
         assert agree["max_abs_loss_diff"] < 1e-3, (name, agree)
     for name, b in result["layers_within_budget"].items():
         assert b["layers"] >= 1, (name, b)
-    assert "s/step median" in r.stdout and "most layers within 0.52 GiB" in r.stdout
+    assert "s/step median" in r.stdout and "most layers within 0.6 GiB" in r.stdout
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
