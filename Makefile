@@ -54,7 +54,7 @@ test-sanitize: setup
 # (past findings included) and fuzzes a little, the same way on every run. -O1: the kernels stay fast enough under ASan to fuzz.
 FUZZ_BUILD      := $(BUILD)-fuzz
 FUZZ_SECONDS    ?= 120
-FUZZ_CI_SECONDS ?= 15
+FUZZ_CI_SECONDS ?= 10
 
 fuzz-build: setup
 	cmake -S . -B $(FUZZ_BUILD) -G Ninja -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_BUILD_TYPE=RelWithDebInfo \
