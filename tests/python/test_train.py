@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -78,13 +79,30 @@ def test_compare_writes_tables_json_and_png(tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_bad_flags_and_paths_give_clear_errors(tmp_path):
-    r = train("--steps", "0")
+def cli(capsys, *args):
+    """dsa-train's main() in this process: (exit code, stderr). For the errors raised before
+    any training, where a child process would spend seconds on its imports alone (the CLI's
+    own exit code is checked once through `python -m` below). torch's thread count is put
+    back: a call that reaches run() sets it from --threads."""
+    from dsa.train.__main__ import main
+
+    threads = torch.get_num_threads()
+    try:
+        code = main([*TINY, *args])
+    except SystemExit as e:  # argparse's errors
+        code = e.code
+    finally:
+        torch.set_num_threads(threads)
+    return code, capsys.readouterr().err
+
+
+def test_bad_flags_and_paths_give_clear_errors(tmp_path, capsys):
+    r = train("--steps", "0")  # through the real command line: argparse's exit code 2
     assert r.returncode == 2 and "--steps: expected an integer >= 1, got 0" in r.stderr
-    r = train("--config", "fast")
-    assert r.returncode == 2 and "--config" in r.stderr and "invalid choice" in r.stderr
-    r = train("--memory-budget", "4")
-    assert r.returncode == 2 and "--memory-budget: only with --compare" in r.stderr
+    code, err = cli(capsys, "--config", "fast")
+    assert code == 2 and "--config" in err and "invalid choice" in err
+    code, err = cli(capsys, "--memory-budget", "4")
+    assert code == 2 and "--memory-budget: only with --compare" in err
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
@@ -95,11 +113,11 @@ def test_bad_flags_and_paths_give_clear_errors(tmp_path):
             bad = target / "out.json"
         else:
             bad = locked / "out.json"
-        r = train("--steps", "1", "--json", str(bad))
-        assert r.returncode == 2 and "--json: cannot write" in r.stderr, r.stderr[-2000:]
-        r = train("--steps", "1", "--save", str(bad.parent / "ckpt"))
-        assert r.returncode == 2 and "--save: cannot write" in r.stderr, r.stderr[-2000:]
+        code, err = cli(capsys, "--steps", "1", "--json", str(bad))
+        assert code == 2 and "--json: cannot write" in err, err[-2000:]
+        code, err = cli(capsys, "--steps", "1", "--json", str(tmp_path / "ok.json"), "--save", str(bad.parent / "ckpt"))
+        assert code == 2 and "--save: cannot write" in err, err[-2000:]
     finally:
         locked.chmod(0o700)
-    r = train("--steps", "1", "--resume", str(tmp_path))
-    assert r.returncode == 2 and "--resume" in r.stderr and "trainer_state.pt" in r.stderr
+    code, err = cli(capsys, "--steps", "1", "--json", str(tmp_path / "ok.json"), "--resume", str(tmp_path))
+    assert code == 2 and "--resume" in err and "trainer_state.pt" in err
