@@ -10,6 +10,7 @@
 // bits. Scratch is one 64-channel strip of softmax weights per thread plus
 // one [m, C] fp32 partial per group.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <cstdint>
 #include <vector>
@@ -30,10 +31,13 @@ using namespace compressor_kernels;
 // stay small next to the tensors (m * C fp32 per group), small enough to give
 // a 16k-token call 16 tasks.
 constexpr std::int64_t kGroupTokens = 1024;
-// Gradients at least this large (bytes each) are streamed past the caches:
+// Gradients of kStreamGradientBytes and more are streamed past the caches:
 // far more than L2 holds, so a cached store would first read each line in
 // (read-for-ownership) only to evict it again before anyone reads it.
-constexpr std::int64_t kStreamBytes = std::int64_t{4} << 20;
+std::atomic<std::int64_t>& stream_gradient_bytes() {
+  static std::atomic<std::int64_t> bytes{kStreamGradientBytes};
+  return bytes;
+}
 
 const PoolKernel& pick_kernel() {
   switch (core::cpu_isa()) {
@@ -145,6 +149,10 @@ struct ThreadScratch {
 
 }  // namespace
 
+namespace compressor_kernels {
+void stream_gradients_from_bytes_for_testing(std::int64_t bytes) { stream_gradient_bytes().store(bytes); }
+}  // namespace compressor_kernels
+
 void compressor_fwd(const CompressorProblem& p) {
   const PoolKernel& kernel = pick_kernel();
   const std::size_t es = element_size(p.dtype);
@@ -204,7 +212,8 @@ void compressor_bwd(const CompressorProblem& p) {
   // Each task zeroes its own group's partial: no up-front fill.
   const core::ScratchBuffer partial_bytes(static_cast<std::size_t>(t.groups * m * C) * sizeof(float));
   float* const partials = reinterpret_cast<float*>(partial_bytes.data());
-  const bool stream = p.rows * C * static_cast<std::int64_t>(es) >= kStreamBytes;
+  const bool stream =
+      p.rows * C * static_cast<std::int64_t>(es) >= stream_gradient_bytes().load(std::memory_order_relaxed);
   ThreadScratch scratch(p);
 
   core::parallel_for(t.groups, p.num_threads, [&](std::int64_t group, int thread) {

@@ -65,4 +65,13 @@ const PoolKernel& avx2_kernel();         // needs AVX2, FMA and F16C
 const PoolKernel& avx512_kernel();
 const PoolKernel& avx512_bf16_kernel();  // needs AVX512-BF16 (Zen 4/5, Sapphire Rapids class)
 
+// Gradients of at least this many bytes each are written with non-temporal
+// stores (PoolArgs::stream_gradients): 4 MiB.
+inline constexpr std::int64_t kStreamGradientBytes = std::int64_t{4} << 20;
+
+// Tests only: stream gradients from `bytes` on instead (kStreamGradientBytes
+// to go back), so that small cases take the streamed path and its aligned and
+// unaligned lines run under the sanitizers in a fraction of the time.
+void stream_gradients_from_bytes_for_testing(std::int64_t bytes);
+
 }  // namespace dsa::cpu::compressor_kernels
