@@ -47,4 +47,13 @@ inline std::string skip_reason(Isa isa) {
          " at most (the CPU's best ISA, lowered by DSA_ISA); that case runs it";
 }
 
+// Caps the ISA for its scope, and lifts the cap on leaving it, also when an ASSERT
+// returns early (the cap never raises the ISA: amx means none).
+struct IsaLimit {
+  explicit IsaLimit(Isa isa) { dsa::core::limit_isa_for_testing(isa); }
+  ~IsaLimit() { dsa::core::limit_isa_for_testing(Isa::amx); }
+  IsaLimit(const IsaLimit&) = delete;
+  IsaLimit& operator=(const IsaLimit&) = delete;
+};
+
 }  // namespace dsa_testing

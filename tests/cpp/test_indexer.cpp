@@ -15,11 +15,11 @@
 #include <vector>
 
 #include "core/cpu_features.h"
-#include "isa_paths.h"
 #include "core/numeric.h"
 #include "core/sequences.h"
 #include "dsa/error.h"
 #include "dsa/indexer.h"
+#include "isa_paths.h"
 
 namespace {
 
@@ -264,10 +264,7 @@ void expect_close_selection(const Problem& p, const Result& fused, const Result&
   }
 }
 
-struct IsaLimit {
-  explicit IsaLimit(Isa isa) { dsa::core::limit_isa_for_testing(isa); }
-  ~IsaLimit() { dsa::core::limit_isa_for_testing(Isa::amx); }  // the cap never raises: amx = no cap
-};
+using dsa_testing::IsaLimit;
 
 std::vector<Case> cases() {
   std::vector<Case> out;

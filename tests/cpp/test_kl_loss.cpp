@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "core/cpu_features.h"
-#include "isa_paths.h"
 #include "core/numeric.h"
 #include "dsa/dsa.h"
+#include "isa_paths.h"
 
 namespace {
 
@@ -225,13 +225,12 @@ TEST(KlLossTiles, SparseBf16MatchesReference) {
   for (core::Isa isa : dsa_testing::distinct_paths({core::Isa::avx512, core::Isa::avx512_bf16, core::Isa::amx}))
     for (const auto& shape : kSparseShapes)
       for (bool with_sinks : {false, true}) {
-        core::limit_isa_for_testing(isa);
+        const dsa_testing::IsaLimit limit(isa);
         SCOPED_TRACE(std::string(core::isa_name(isa)) + " H " + std::to_string(shape.h) + " D " +
                      std::to_string(shape.d) + " Hi " + std::to_string(shape.hi) + " Di " + std::to_string(shape.di));
         SparseCase c(DType::bf16, 21, 1, true, shape);
         const SparseResult ref = run_sparse(c, Backend::reference, 1, with_sinks);
         const SparseResult cpu = run_sparse(c, Backend::cpu, 2, with_sinks);
-        core::limit_isa_for_testing(core::Isa::amx);
         EXPECT_GT(ref.loss, 0.0f);
         EXPECT_NEAR(cpu.loss, ref.loss, 2e-3 * std::abs(ref.loss) + 1e-6);
         float grad_scale = 1e-6f;
@@ -248,7 +247,7 @@ TEST(KlLossTiles, SparseBf16MatchesReference) {
 TEST(KlLossTiles, SparseBf16DeterministicAcrossThreads) {
   for (core::Isa isa : dsa_testing::distinct_paths({core::Isa::avx512_bf16, core::Isa::amx}))
     for (const auto& shape : kSparseShapes) {
-      core::limit_isa_for_testing(isa);
+      const dsa_testing::IsaLimit limit(isa);
       SCOPED_TRACE(std::string(core::isa_name(isa)) + " H " + std::to_string(shape.h));
       SparseCase c(DType::bf16, 23, 1, true, shape);
       const SparseResult one = run_sparse(c, Backend::cpu, 1, true);
@@ -260,7 +259,6 @@ TEST(KlLossTiles, SparseBf16DeterministicAcrossThreads) {
         expect_identical(one.dk, other.dk, "dk");
         expect_identical(one.dw, other.dw, "dw");
       }
-      core::limit_isa_for_testing(core::Isa::amx);
     }
 }
 
@@ -392,14 +390,13 @@ TEST(KlLossTiles, DenseBf16MatchesReference) {
   for (core::Isa isa : dsa_testing::distinct_paths({core::Isa::avx512, core::Isa::avx512_bf16, core::Isa::amx}))
     for (const auto& dims : kDenseShapes)
       for (std::int64_t hk : {4, 1}) {
-        core::limit_isa_for_testing(isa);
+        const dsa_testing::IsaLimit limit(isa);
         SCOPED_TRACE(std::string(core::isa_name(isa)) + " D " + std::to_string(dims.d) + " Dr " +
                      std::to_string(dims.dr) + " Hi " + std::to_string(dims.hi) + " Di " + std::to_string(dims.di) +
                      " Hk " + std::to_string(hk));
         DenseCase c(DType::bf16, hk, 31 + hk, true, dims);
         const DenseResult ref = run_dense(c, Backend::reference, 1, Reduction::mean);
         const DenseResult cpu = run_dense(c, Backend::cpu, 2, Reduction::mean);
-        core::limit_isa_for_testing(core::Isa::amx);
         EXPECT_GT(ref.loss, 0.0f);
         EXPECT_NEAR(cpu.loss, ref.loss, 2e-3 * std::abs(ref.loss) + 1e-6);
         expect_close(cpu.lse, ref.lse, 1e-3, "indexer_lse");
@@ -413,7 +410,7 @@ TEST(KlLossTiles, DenseBf16MatchesReference) {
 TEST(KlLossTiles, DenseBf16DeterministicAcrossThreads) {
   for (core::Isa isa : dsa_testing::distinct_paths({core::Isa::avx512_bf16, core::Isa::amx}))
     for (const auto& dims : kDenseShapes) {
-      core::limit_isa_for_testing(isa);
+      const dsa_testing::IsaLimit limit(isa);
       SCOPED_TRACE(std::string(core::isa_name(isa)) + " Di " + std::to_string(dims.di));
       DenseCase c(DType::bf16, 4, 37, true, dims);
       const DenseResult one = run_dense(c, Backend::cpu, 1, Reduction::mean);
@@ -425,7 +422,6 @@ TEST(KlLossTiles, DenseBf16DeterministicAcrossThreads) {
         expect_identical(one.dk, other.dk, "dk");
         expect_identical(one.dw, other.dw, "dw");
       }
-      core::limit_isa_for_testing(core::Isa::amx);
     }
 }
 
@@ -546,7 +542,7 @@ TEST(KlLoss, SparseBackwardWithoutQueryRowsAndHugeIndexHeads) {
   };
   std::vector<float> index_key(S * Di, 0.5f);
   for (core::Isa isa : dsa_testing::distinct_paths()) {
-    core::limit_isa_for_testing(isa);
+    const dsa_testing::IsaLimit limit(isa);
     std::vector<float> d_index_key(S * Di, 7.0f);
     KlLossParams params;
     params.cu_seqlens_q = {0, 0};
@@ -558,7 +554,6 @@ TEST(KlLoss, SparseBackwardWithoutQueryRowsAndHugeIndexHeads) {
         << core::isa_name(core::cpu_isa());
     for (float g : d_index_key) ASSERT_EQ(g, 0.0f) << core::isa_name(core::cpu_isa());
   }
-  core::limit_isa_for_testing(core::Isa::amx);
 }
 
 // The same flaw's other side, not reached by the fuzzer yet: query rows but no key
@@ -574,7 +569,7 @@ TEST(KlLoss, SparseForwardWithoutKeyRowsAndHugeKeyDim) {
   query.shape[2] = huge;
   kv.shape[1] = huge;
   for (core::Isa isa : dsa_testing::distinct_paths()) {
-    core::limit_isa_for_testing(isa);
+    const dsa_testing::IsaLimit limit(isa);
     float loss = -1.0f;
     KlLossParams params;
     params.cmp_ratio = 4;
@@ -588,7 +583,6 @@ TEST(KlLoss, SparseForwardWithoutKeyRowsAndHugeKeyDim) {
         << core::isa_name(core::cpu_isa());
     EXPECT_EQ(loss, 0.0f) << core::isa_name(core::cpu_isa());
   }
-  core::limit_isa_for_testing(core::Isa::amx);
 }
 
 // Found by fuzz_kl_loss (corpus: regression-rope-dim-overflow-*): with no rows,

@@ -13,11 +13,11 @@
 #include <vector>
 
 #include "core/cpu_features.h"
-#include "isa_paths.h"
 #include "core/numeric.h"
 #include "cpu/sparse_attention/attention_kernels.h"
 #include "dsa/error.h"
 #include "dsa/sparse_attention.h"
+#include "isa_paths.h"
 
 namespace dsa {
 namespace {
