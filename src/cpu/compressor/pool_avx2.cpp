@@ -34,7 +34,7 @@ namespace {
 using namespace fma;
 static_assert(kLanes == 8, "compiled with the AVX2 flags, without AVX-512");
 
-constexpr int kForwardStrip = 32, kBackwardStrip = 32;
+constexpr int kBackwardStrip = 32;  // 16 ymm registers hold one group's 12 accumulators
 
 // GCC's own inlining choice: forcing the group bodies inline (as on
 // AVX-512) made the CSA forward and backward ~2% slower here (one thread, on

@@ -34,7 +34,8 @@ struct PoolArgs {
   std::int64_t width;        // channels of this run
   void* out;                 // forward: compressed[entry] at the run's first channel
   const void* grad_out;      // backward: grad_compressed[entry] likewise
-  float* scratch;            // scratch_floats(slot_count), 64-byte aligned
+  float* scratch;            // 64-byte aligned: scratch_floats(slot_count), and at
+                             // least three rows of `width` floats, each rounded up to 32
   // The block of rows the next entry of the sequence adds (kv and gate, from
   // its first row's start, prefetch_bytes each; 0 if none): the kernels ask
   // for it in order, spread over this call. A hint, never dereferenced.
