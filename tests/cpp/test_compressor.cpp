@@ -315,6 +315,55 @@ TEST_P(CompressorIsa, AllMinusInfChannelGivesZero) {
   }
 }
 
+// NaN in the data reaches exactly the outputs it reaches in the reference
+// (the vector kernels' bf16 rounding checks for NaN once per pair of vectors
+// and only then mends those lanes), and every other element still matches.
+void expect_same_nans(const Buffer& fused, const Buffer& ref, float tol, const char* what) {
+  ASSERT_EQ(fused.size(), ref.size());
+  std::size_t nans = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const float x = fused.get(i), y = ref.get(i);
+    ASSERT_EQ(std::isnan(x), std::isnan(y)) << what << " at " << i << ": " << x << " vs " << y;
+    if (std::isnan(y)) {
+      ++nans;
+    } else {
+      ASSERT_LE(std::fabs(x - y), tol * (1.0f + std::fabs(y))) << what << " at " << i << ": " << x << " vs " << y;
+    }
+  }
+  EXPECT_GT(nans, 0u) << what << ": the case puts NaN there";
+}
+
+TEST_P(CompressorIsa, NanReachesWhatItReachesInTheReference) {
+  for (DType d : {DType::bf16, DType::f16, DType::f32})
+    for (auto [ratio, overlap] : {std::pair<std::int64_t, bool>{16, false}, std::pair<std::int64_t, bool>{4, true}}) {
+      Case cs;
+      cs.dtype = d;
+      cs.ratio = ratio;
+      cs.overlap = overlap;
+      cs.c = 40;  // one whole 32-channel group and a tail
+      cs.lengths = {64};
+      Problem p(cs);
+      p.kv.set(5 * p.C + 7, NAN);                        // a value of token 5, channel 7
+      p.grad_out.set(2 * cs.c + 33, std::nanf(""));      // the incoming gradient of entry 2, channel 33 (the tail)
+      p.grad_out.set(3 * cs.c + 12, -std::nanf(""));     // and a negative NaN at entry 3, channel 12
+      // fp32 NaNs whose low 16 bits are all ones, in the position bias: they
+      // reach the bf16 gradients with that payload, where the plain rounding
+      // sum would turn them into -0 and +0.
+      p.bias[3 * p.C + 20] = std::bit_cast<float>(0x7fffffffu);
+      p.bias[1 * p.C + 38] = std::bit_cast<float>(0xffffffffu);
+      for (bool stats : {false, true}) {
+        SCOPED_TRACE(std::string(dsa::dtype_name(d)) + " ratio " + std::to_string(ratio) + (stats ? " stats" : ""));
+        const Outputs fused = p.run(dsa::Backend::cpu, 0, stats), ref = p.run(dsa::Backend::reference, 0, stats);
+        const float tol = tolerance(d);
+        expect_same_nans(fused.compressed, ref.compressed, tol, "compressed");
+        expect_same_nans(fused.grad_kv, ref.grad_kv, tol, "grad_kv");
+        expect_same_nans(fused.grad_gate, ref.grad_gate, tol, "grad_gate");
+        for (std::size_t i = 0; i < ref.grad_bias.size(); ++i)
+          ASSERT_EQ(std::isnan(fused.grad_bias[i]), std::isnan(ref.grad_bias[i])) << "grad_bias " << i;
+      }
+    }
+}
+
 INSTANTIATE_TEST_SUITE_P(Isa, CompressorIsa,
                          ::testing::Values(dsa::core::Isa::portable, dsa::core::Isa::avx2, dsa::core::Isa::avx512,
                                            dsa::core::Isa::avx512_bf16, dsa::core::Isa::amx),

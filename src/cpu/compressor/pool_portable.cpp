@@ -18,6 +18,11 @@ inline float logit(const PoolArgs& a, std::int64_t i, std::int64_t ch) {
 // A channel whose logits are all -inf pools nothing: weights 0, not NaN.
 inline float safe_max(float max) { return max == core::kNegInf ? 0.0f : max; }
 
+// 1 / sum where sum > 0, 0 for such a channel's sum of 0, and NaN for a NaN
+// sum: a NaN logit (std::max above skips it) must reach the outputs, as in
+// the reference and the vector kernels, not turn them into zeros.
+inline float safe_reciprocal(float sum) { return sum > 0.0f ? 1.0f / sum : std::isnan(sum) ? sum : 0.0f; }
+
 void forward(const PoolArgs& a) {
   for (std::int64_t ch = 0; ch < a.width; ++ch) {
     float max = core::kNegInf;
@@ -29,7 +34,7 @@ void forward(const PoolArgs& a) {
       sum += e;
       acc += e * load_float(a.slots[i].kv, a.dtype, ch);
     }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const float inv = safe_reciprocal(sum);
     store_float(a.out, a.dtype, ch, acc * inv);
     if (a.stats) {
       a.stats[ch] = max;
@@ -51,7 +56,7 @@ void backward(const PoolArgs& a) {
       sum += e[i];
       acc += e[i] * load_float(a.slots[i].kv, a.dtype, ch);
     }
-    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+    const float inv = safe_reciprocal(sum);
     const float out = acc * inv;
     const float g_inv = load_float(a.grad_out, a.dtype, ch) * inv;
     for (std::int64_t i = 0; i < a.slot_count; ++i) {
