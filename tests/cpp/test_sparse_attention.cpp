@@ -424,6 +424,70 @@ TEST_P(SparseAttentionModes, BsndWindowCompressed) {
   check_config(c, 8);
 }
 
+// NaN in the forward's outputs exactly where the reference puts it, the
+// numbers close to it. The reference's max leaves NaN logits out and its sum
+// of exp(l - max) takes them in, so a NaN logit makes its head's output and
+// softmax_sum NaN, and a head with only NaN logits (a NaN in the query) keeps
+// max -inf with a NaN output: not an empty row's zeros.
+void expect_same_nans(const Buffer& a, const Buffer& b, double rtol, double atol, const char* what) {
+  ASSERT_EQ(a.numel(), b.numel()) << what;
+  double scale = 0.0, worst = 0.0;
+  std::int64_t nans = 0;
+  for (std::int64_t i = 0; i < b.numel(); ++i)
+    if (std::isfinite(b.at(i))) scale = std::max(scale, std::fabs(static_cast<double>(b.at(i))));
+  for (std::int64_t i = 0; i < a.numel(); ++i) {
+    const float x = a.at(i), y = b.at(i);
+    ASSERT_EQ(std::isnan(x), std::isnan(y)) << what << " at " << i << ": " << x << " vs " << y;
+    if (std::isnan(y)) {
+      ++nans;
+    } else if (std::isinf(y) || std::isinf(x)) {
+      ASSERT_EQ(x, y) << what << " at " << i;
+    } else {
+      worst = std::max(worst, std::fabs(static_cast<double>(x) - y));
+    }
+  }
+  EXPECT_LE(worst, atol + rtol * scale) << what << " (scale " << scale << ")";
+  EXPECT_GT(nans, 0) << what << ": the case puts NaN there";
+}
+
+TEST_P(SparseAttentionModes, NanInTheInputsReachesTheForwardAsInTheReference) {
+  Config indices = tnd({5, 23}, {9, 40});
+  indices.dim = 48;
+  indices.rope = 16;
+  indices.d_v = 32;
+  indices.topk = 11;
+  Config window = tnd({70}, {70});  // keys in three blocks of the kernels
+  window.heads = 4;
+  window.dim = 32;
+  window.window = 40;
+  window.sinks = true;
+  Config compressed = tnd({45}, {45});
+  compressed.dim = 24;
+  compressed.window = 6;
+  compressed.ratio = 4;
+  compressed.sinks = true;
+  for (Config c : {indices, window, compressed}) {
+    c.dtype = dtype();
+    enum Where { kQuery, kKv, kCmpKv };
+    for (Where where : {kQuery, kKv, kCmpKv}) {
+      if (where == kCmpKv && c.ratio == 1) continue;
+      SCOPED_TRACE("dim " + std::to_string(c.dim) + ", NaN in " +
+                   (where == kQuery ? "query" : where == kKv ? "kv" : "cmp_kv"));
+      Problem p = build(c, 11);
+      Buffer& target = where == kQuery ? p.query : where == kKv ? p.kv : p.cmp_kv;
+      // query: row 3, head 1 (all of that head's logits); kv: row 20
+      // (attended in a later key block); cmp_kv: entry 2.
+      const std::int64_t at = where == kQuery ? (3 * c.heads + 1) * c.dim + 5 : where == kKv ? 20 * c.dim + 2 : 2 * c.dim + 7;
+      core::store_float(target.bytes.data(), c.dtype, at, NAN);
+      const Results fused = run(p, Backend::cpu, 2), ref = run(p, Backend::reference, 1);
+      const double rtol = c.dtype == DType::f32 ? 1e-4 : 2e-2, atol = c.dtype == DType::f32 ? 1e-5 : 1e-3;
+      expect_same_nans(fused.out, ref.out, rtol, atol, "out");
+      expect_same_nans(fused.sum, ref.sum, rtol, atol, "softmax_sum");
+      expect_close(fused.max, ref.max, 1e-4, 1e-5, "softmax_max");  // never NaN: NaN logits are left out
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     DtypesAndIsas, SparseAttentionModes,
     ::testing::Combine(::testing::Values(DType::f32, DType::bf16, DType::f16),

@@ -70,8 +70,10 @@ constexpr int kMr = 6, kNr = 2;
 #endif
 
 // exp for the softmax: degree-6 polynomial on the reduced argument (fp32 accurate).
+// The clamp takes x as the second operand of max, which is what max returns
+// when either is NaN: a NaN logit gives a NaN weight, as in the reference.
 inline Vec vexp(Vec x) {
-  x = vmax(x, vset(-87.0f));
+  x = vmax(vset(-87.0f), x);
   const Vec n = vround(vmul(x, vset(1.44269504088896341f)));
   Vec r = vfma(n, vset(-0.693145751953125f), x);
   r = vfma(n, vset(-1.428606765330187e-06f), r);

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "dsa/tensor.h"
 
@@ -45,6 +46,12 @@ struct KeyRows {
   const char* const* rope;
   std::int64_t count;
 };
+
+// Softmax sum, and output scale, of a head that has keys but no logit above
+// -inf: all of them NaN (a NaN in the query, say) or -inf. The reference's
+// sum of exp(l - max) is NaN there and so is its output; the kernels, whose
+// max leaves NaN out, report the same instead of an empty row's zeros.
+inline constexpr float kNoNumberSum = std::numeric_limits<float>::quiet_NaN();
 
 // The gather of a block of attended keys asks for the row kPrefetchRows ahead
 // of the one it copies: the rows are a random walk over kv that the hardware
