@@ -150,6 +150,23 @@ def test_modes_bsnd_padded(name, dtype):
     check_against_oracle(inputs, kw)
 
 
+@pytest.mark.parametrize("where", ["query", "kv"])
+@pytest.mark.parametrize("name", ["v32_indices_rope", "dense_causal_prefix", "window_csa"])
+def test_nan_reaches_what_it_reaches_in_the_reference(name, where):
+    """One NaN in the data: the fused op's outputs, statistics and gradients are NaN
+    exactly where the reference backend's are (docs/hardening.md, "Non-finite data"),
+    and a NaN query makes its head's output NaN, not zeros."""
+    inputs, kw = make_case(dtype=torch.bfloat16, **MODES[name])
+    flat = inputs[where].view(-1)
+    flat[flat.numel() // 3] = float("nan")
+    got, ref = run(fused("cpu"), inputs, kw), run(fused("reference"), inputs, kw)
+    assert torch.isnan(ref["out"]).any()
+    for key, want in ref.items():
+        if want is None:
+            continue
+        assert torch.equal(torch.isnan(got[key]), torch.isnan(want)), (name, where, key)
+
+
 @pytest.mark.parametrize("sink", [float("-inf"), 0.0, 40.0])
 def test_sink_extremes(sink):
     inputs, kw = make_case("dense", torch.bfloat16, heads=2, dim=16, window=5, sinks=sink,
