@@ -41,9 +41,10 @@ double dense_teacher(const DenseKlProblem& p, std::int64_t row, std::int64_t key
   return sum / static_cast<double>(heads);
 }
 
-// Rows in the loss: a visible key and a finite indexer_lse (an lse of +inf marks an empty row).
+// Rows in the loss: a visible key and an indexer_lse that is not infinite (an
+// lse of +inf marks an empty row; a NaN one is counted, so its NaN reaches the loss).
 bool counted_row(const DenseKlProblem& p, const core::SequenceSlice& seq, std::int64_t i) {
-  return seq.position(i) >= 0 && std::isfinite(p.lse[seq.q_begin + i]);
+  return seq.position(i) >= 0 && !std::isinf(p.lse[seq.q_begin + i]);
 }
 
 std::int64_t counted_rows(const DenseKlProblem& p) {
@@ -64,7 +65,7 @@ void dense_indexer_kl_loss_fwd(const DenseKlProblem& p) {
       for (std::int64_t s = 0; s <= seq.position(i); ++s) {
         const std::int64_t key = seq.k_begin + s;
         const double teacher = dense_teacher(p, row, key);
-        if (!(teacher > 0.0)) continue;
+        if (teacher <= 0.0) continue;  // 0 log 0 = 0; a NaN teacher is added
         const double log_student =
             kl::indexer_score(p.index_query, p.index_key, p.weights, row, key, p.index_scale) - p.lse[row];
         total += teacher * (std::log(teacher) - log_student);

@@ -2,6 +2,7 @@
 // key) pair at a time, in double.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -26,20 +27,25 @@ inline double attention_logit(const HeadMatrix& q, const HeadMatrix& q_rope, con
 // normalised by the forward statistics (plus the sink). Heads whose row was
 // empty in the forward (max = -inf or sum = 0) contribute nothing.
 inline double head_probability(double logit, float max, float sum, const float* sink) {
-  if (!(max > -INFINITY) || !(sum > 0.0f)) return 0.0;
+  // (A NaN max or sum is no empty row: its NaN reaches the probability.)
+  if (max == -INFINITY || sum <= 0.0f) return 0.0;
   double denominator = sum;
   if (sink) denominator += std::exp(static_cast<double>(*sink) - max);
   return std::exp(logit - max) / denominator;
 }
 
-// I[row, key] = index_scale * sum_j w[row, j] * max(0, iq[row, j] . ik[key]).
+// max(0, x) that keeps NaN, as torch.relu and the lightning indexer do
+// (std::max(0.0, NaN) is 0: a NaN indexer input would not reach the loss).
+inline double relu(double x) { return std::isnan(x) ? x : std::max(0.0, x); }
+
+// I[row, key] = index_scale * sum_j w[row, j] * relu(iq[row, j] . ik[key]).
 inline double indexer_score(const HeadMatrix& iq, const HeadMatrix& ik, const HeadMatrix& w,
                             std::int64_t row, std::int64_t key, double index_scale) {
   double score = 0.0;
   for (std::int64_t j = 0; j < iq.heads; ++j) {
     double dot = 0.0;
     for (std::int64_t d = 0; d < iq.dim; ++d) dot += static_cast<double>(iq.at(row, j, d)) * ik.at(key, 0, d);
-    score += static_cast<double>(w.at(row, j, 0)) * std::max(0.0, dot);
+    score += static_cast<double>(w.at(row, j, 0)) * relu(dot);
   }
   return index_scale * score;
 }
@@ -57,9 +63,13 @@ struct IndexerGrads {
     for (std::int64_t j = 0; j < heads; ++j) {
       double dot = 0.0;
       for (std::int64_t d = 0; d < dim; ++d) dot += static_cast<double>(iq.at(row, j, d)) * ik.at(key, 0, d);
-      dw[row * heads + j] += g * index_scale * std::max(0.0, dot);
-      if (dot > 0.0) {
-        const double c = g * index_scale * w.at(row, j, 0);
+      dw[row * heads + j] += g * index_scale * relu(dot);
+      // The ReLU's gate passes g where dot > 0. Where it is closed the terms
+      // are 0 times the inputs: exactly 0 when dot is finite (then every input
+      // is), so they are skipped; a NaN or infinite dot keeps them, and their
+      // 0 * NaN, as the fused kernels' products and autograd do.
+      if (dot > 0.0 || !std::isfinite(dot)) {
+        const double c = dot > 0.0 ? g * index_scale * w.at(row, j, 0) : 0.0;
         for (std::int64_t d = 0; d < dim; ++d) {
           dq[(row * heads + j) * dim + d] += c * ik.at(key, 0, d);
           dk[key * dim + d] += c * iq.at(row, j, d);

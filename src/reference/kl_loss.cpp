@@ -37,14 +37,14 @@ void kl_loss_fwd(const SparseKlProblem& p) {
         max_score = std::max(max_score, score[e]);
       }
       // A row whose teacher has no mass has KL 0 and gradient 0 (d/dI of sum_i p_i (..) is (sum p) s - p).
-      if (!(mass > 0.0)) continue;
+      if (mass <= 0.0) continue;  // (a NaN mass is counted: its NaN reaches the loss)
       double z = 0.0;
       for (double s : score) z += std::exp(s - max_score);
       const double lse = max_score + std::log(z);
       for (std::size_t e = 0; e < slots.size(); ++e) {
         const double pe = teacher[e] / mass;
         const double log_student = score[e] - lse;
-        if (pe > 0.0) total += pe * (std::log(pe) - log_student);
+        if (pe != 0.0) total += pe * (std::log(pe) - log_student);  // 0 log 0 = 0; NaN is added
         if (p.score_grad) p.score_grad[row * p.topk + slots[e]] = static_cast<float>(std::exp(log_student) - pe);
       }
     }

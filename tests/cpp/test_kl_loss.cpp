@@ -430,6 +430,67 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, KlIsa,
                                            core::Isa::amx),
                          [](const auto& info) { return std::string(core::isa_name(info.param)); });
 
+// NaN in an indexer input (index query, index key or weights) makes the KL
+// losses NaN on both backends, as in the float64 oracle: it reaches a counted
+// row's student softmax (the ReLU keeps NaN, a NaN lse row is counted). The
+// fused dense lse has NaN where the reference's has, and the fused gradients
+// are NaN wherever the reference's are; they may be in a few more places,
+// where a closed ReLU gate or a masked key's 0 meets a NaN input in a product
+// (docs/hardening.md, "Non-finite data").
+void set_nan(Buffer& b, std::int64_t i) {
+  if (b.dtype == DType::f32) b.f32[i] = NAN; else core::store_float(b.half.data(), b.dtype, i, NAN);
+}
+
+// (A gradient may have no NaN at all: with NaN in every index key, each dot is
+// NaN and the closed ReLU gate passes nothing to d_index_key.)
+void expect_nans_cover(const Buffer& fused, const Buffer& ref, const char* what) {
+  for (std::int64_t i = 0; i < ref.numel(); ++i)
+    if (std::isnan(ref.at(i))) ASSERT_TRUE(std::isnan(fused.at(i))) << what << " element " << i << ": " << fused.at(i);
+}
+
+TEST(KlLoss, NanInAnIndexerInputReachesTheLoss) {
+  for (core::Isa isa : dsa_testing::distinct_paths())
+    for (DType dt : {DType::f32, DType::bf16})
+      for (const char* where : {"index_query", "index_key", "weights"}) {
+        const dsa_testing::IsaLimit limit(isa);
+        SCOPED_TRACE(std::string(core::isa_name(isa)) + " " + dtype_name(dt) + ", NaN in " + where);
+        const bool tiles = dt == DType::bf16;  // the pair kernels' shapes
+        const auto nan_into = [&](Buffer& iq, Buffer& ik, Buffer& w, bool one_row) {
+          // Every query row (or key row) gets one, so every counted row sees NaN
+          // whatever its random selection; the dense case also takes a single one.
+          Buffer& b = where[6] == 'q' ? iq : where[6] == 'k' ? ik : w;
+          const std::int64_t per_row = b.numel() / b.shape[0];
+          if (one_row) set_nan(b, (b.shape[0] / 2) * per_row + 1);
+          else
+            for (std::int64_t r = 0; r < b.shape[0]; ++r) set_nan(b, r * per_row + r % per_row);
+        };
+        {
+          SparseCase c(dt, 5, 1, tiles);
+          nan_into(c.iq, c.ik, c.w, false);
+          const SparseResult ref = run_sparse(c, Backend::reference, 1, true);
+          const SparseResult cpu = run_sparse(c, Backend::cpu, 2, true);
+          EXPECT_TRUE(std::isnan(ref.loss)) << "sparse, reference: " << ref.loss;
+          EXPECT_TRUE(std::isnan(cpu.loss)) << "sparse, cpu: " << cpu.loss;
+          expect_nans_cover(cpu.dq, ref.dq, "sparse d_index_query");
+          expect_nans_cover(cpu.dk, ref.dk, "sparse d_index_key");
+          expect_nans_cover(cpu.dw, ref.dw, "sparse d_weights");
+        }
+        for (bool one_row : {false, true}) {
+          DenseCase c(dt, 1, 5, tiles);
+          nan_into(c.iq, c.ik, c.w, one_row);
+          const DenseResult ref = run_dense(c, Backend::reference, 1, Reduction::mean);
+          const DenseResult cpu = run_dense(c, Backend::cpu, 2, Reduction::mean);
+          EXPECT_TRUE(std::isnan(ref.loss)) << "dense, reference: " << ref.loss;
+          EXPECT_TRUE(std::isnan(cpu.loss)) << "dense, cpu: " << cpu.loss;
+          for (std::int64_t t = 0; t < c.T; ++t)
+            ASSERT_EQ(std::isnan(cpu.lse.at(t)), std::isnan(ref.lse.at(t))) << "dense lse row " << t;
+          expect_nans_cover(cpu.dq, ref.dq, "dense d_index_query");
+          expect_nans_cover(cpu.dk, ref.dk, "dense d_index_key");
+          expect_nans_cover(cpu.dw, ref.dw, "dense d_weights");
+        }
+      }
+}
+
 TEST(KlLoss, BadInputsRejectedWithoutWriting) {
   SparseCase c(DType::f32, 3);
   float loss = 123.0f;

@@ -122,7 +122,13 @@ void dense_indexer_lse(const DenseLseProblem& p) {
         float tile_max = core::kNegInf;
         for (std::int64_t j = 0; j < count; ++j) tile_max = std::max(tile_max, score[j]);
         const float new_max = std::max(running_max[t], tile_max);
-        if (!(new_max > core::kNegInf)) continue;
+        if (!(new_max > core::kNegInf)) {
+          // No score above -inf (NaN leaves the max): NaN scores make the row's lse
+          // NaN, as in the reference's sum of exp(score - max).
+          for (std::int64_t j = 0; j < count; ++j)
+            if (std::isnan(score[j])) running_sum[t] = score[j];
+          continue;
+        }
         float sum = running_sum[t] * (running_sum[t] > 0.0f ? std::exp(running_max[t] - new_max) : 0.0f);
         for (std::int64_t j = 0; j < count; ++j) sum += std::exp(score[j] - new_max);
         running_max[t] = new_max;
