@@ -78,5 +78,12 @@ inline void load_row(const void* base, DType dtype, std::int64_t n, float* out) 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr float kPosInf = std::numeric_limits<float>::infinity();
 
+// The indexer score's ReLU, max(0, x), keeping NaN as torch.relu does
+// (std::max(0, NaN) is 0, which would hide a NaN input); -inf gives 0.
+template <class T>
+inline T relu(T x) {
+  return x != x ? x : (x > T(0) ? x : T(0));
+}
+
 }  // namespace
 }  // namespace dsa::core

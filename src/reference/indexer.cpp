@@ -46,11 +46,9 @@ void indexer_topk(const IndexerProblem& p) {
                    load_float(p.key, p.dtype, key_row * p.key_row_stride + d);
           const double w = load_float(p.weights, p.weights_dtype,
                                       row * p.weights_row_stride + h * p.weights_head_stride);
-          // max(0, dot) that keeps NaN, as torch.relu and the fused kernels do: a NaN
-          // score must stay NaN so that it ranks below every number (spec section 2).
-          // std::max(0.0, NaN) would return 0 and hide it.
-          const double relu = std::isnan(dot) ? dot : std::max(0.0, dot);
-          score += w * relu;
+          // The ReLU keeps NaN, as torch.relu and the fused kernels do: a NaN score
+          // must stay NaN so that it ranks below every number (spec section 2).
+          score += w * core::relu(dot);
         }
         candidates.push_back({static_cast<float>(p.scale * score), s});
       }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/numeric.h"
 #include "ops/kl_loss.h"
 
 namespace dsa::reference::kl {
@@ -34,9 +35,7 @@ inline double head_probability(double logit, float max, float sum, const float* 
   return std::exp(logit - max) / denominator;
 }
 
-// max(0, x) that keeps NaN, as torch.relu and the lightning indexer do
-// (std::max(0.0, NaN) is 0: a NaN indexer input would not reach the loss).
-inline double relu(double x) { return std::isnan(x) ? x : std::max(0.0, x); }
+using core::relu;  // keeps NaN, as torch.relu and the lightning indexer do
 
 // I[row, key] = index_scale * sum_j w[row, j] * relu(iq[row, j] . ik[key]).
 inline double indexer_score(const HeadMatrix& iq, const HeadMatrix& ik, const HeadMatrix& w,
