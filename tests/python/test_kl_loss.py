@@ -309,6 +309,30 @@ def test_dense_lse_compressed_and_empty_rows(backend):
     check("indexer_lse", out, None, ref)
 
 
+@pytest.mark.parametrize("key", ["iq", "ik", "w"])
+def test_nan_in_an_indexer_input_reaches_the_loss(key):
+    """NaN in an indexer input makes both KL losses NaN on both backends, as with the
+    unfused loss, and every NaN gradient of the reference is NaN on cpu
+    (docs/kl_loss.md; the fused products may add a few, docs/hardening.md)."""
+    x = sparse_inputs("TND", 1, seed=1)
+    t = x[key].clone()
+    t.view(t.shape[0], -1)[:, 0] = float("nan")  # one per query row (key row for ik): every selection meets one
+    x[key] = t
+    kw = dict(cmp_ratio=1, layout="TND", loss_coefficient=1.3)
+    runs = {b: run_sparse(x, dsa.dsa_kl_loss, torch.float32, backend=b, **kw) for b in BACKENDS}
+    xd = dense_inputs("TND", 1, rope=False)
+    td = xd[key].clone()
+    td.view(td.shape[0], -1)[20, 0] = float("nan")  # a single one: row 20 (key 20) is counted
+    xd[key] = td
+    dense = {b: run_dense(xd, torch.float32, backend=b) for b in BACKENDS}
+    for what, got in (("sparse", runs), ("dense", dense)):
+        loss = 0 if what == "sparse" else 1
+        for b in BACKENDS:
+            assert torch.isnan(got[b][loss]), (what, b, key)
+        for ref, cpu in zip(got["reference"][loss + 1:], got["cpu"][loss + 1:]):
+            assert not (torch.isnan(ref) & ~torch.isnan(cpu)).any(), (what, key)
+
+
 def test_dense_opcheck_compile_and_bad_inputs():
     x = dense_inputs(seed=2)
     mx, sm = naive_attention_stats(x["q"], x["k"], scale=0.15, query_rope=x["qr"], key_rope=x["kr"],
