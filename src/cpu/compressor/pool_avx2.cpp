@@ -125,17 +125,29 @@ inline __m256i with_quiet_nan(__m256 v, __m256i rounded) {
   return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
-// 16 channels (two vectors) as 16 bf16 / fp16 values in channel order.
+// Whether a group's bf16 stores must mend NaN lanes (store_group's `nan`).
+// NaN is rare: one unordered compare per two vectors finds any (a lane
+// compares unordered when either value is NaN), and only then are the NaN
+// lanes mended, instead of a compare and a blend per vector always (backward
+// from statistics 2% faster here, 5% at AVX-512: one thread, on chip). fp16's
+// vcvtps2ph and fp32 stores keep NaN by themselves.
 template <DType T>
-inline __m256i to_half(__m256 lo, __m256 hi) {
+inline bool has_nan(const __m256 (&v)[4]) {
+  if constexpr (T == DType::bf16) {
+    const __m256 nan = _mm256_or_ps(_mm256_cmp_ps(v[0], v[1], _CMP_UNORD_Q), _mm256_cmp_ps(v[2], v[3], _CMP_UNORD_Q));
+    return !_mm256_testz_ps(nan, nan);
+  } else {
+    return false;
+  }
+}
+
+// 16 channels (two vectors) as 16 bf16 / fp16 values in channel order; `nan`:
+// has_nan of their group.
+template <DType T>
+inline __m256i to_half(__m256 lo, __m256 hi, bool nan) {
   if constexpr (T == DType::bf16) {
     __m256i a = round_bf16(lo), b = round_bf16(hi);
-    // NaN is rare: one unordered compare of the two vectors finds any (a lane
-    // compares unordered when either value is NaN), and only then are the
-    // NaN lanes mended, instead of a compare and a blend per vector always
-    // (backward from statistics 2% faster here, 5% at AVX-512: one thread, on chip).
-    const __m256 nan = _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q);
-    if (!_mm256_testz_ps(nan, nan)) [[unlikely]] {
+    if (nan) [[unlikely]] {
       a = with_quiet_nan(lo, a);
       b = with_quiet_nan(hi, b);
     }
@@ -158,10 +170,10 @@ inline void store32(void* p, __m256i v, bool stream) {
 // A whole group's four vectors (32 channels) at base[at]: one 64-byte line of
 // bf16 / fp16 or two of fp32. Streamed (with `stream`) when its first line is
 // 64-byte aligned, so every line is written whole and in order; otherwise
-// ordinary stores.
+// ordinary stores. `nan`: has_nan<T>(v), or of a group NaN in every lane v is.
 template <DType T>
 inline void store_group(void* base, std::int64_t at, const __m256 (&v)[4], const std::array<WholeLane, 4>&,
-                        bool stream) {
+                        bool stream, bool nan) {
   if constexpr (T == DType::f32) {
     float* p = static_cast<float*>(base) + at;
     const bool nt = stream && (reinterpret_cast<std::uintptr_t>(p) & 63) == 0;
@@ -169,20 +181,21 @@ inline void store_group(void* base, std::int64_t at, const __m256 (&v)[4], const
   } else {
     std::uint16_t* p = static_cast<std::uint16_t*>(base) + at;
     const bool nt = stream && (reinterpret_cast<std::uintptr_t>(p) & 63) == 0;
-    store32(p, to_half<T>(v[0], v[1]), nt);
-    store32(p + 16, to_half<T>(v[2], v[3]), nt);
+    store32(p, to_half<T>(v[0], v[1], nan), nt);
+    store32(p + 16, to_half<T>(v[2], v[3], nan), nt);
   }
 }
 
 // A row's last, partial group: only its lanes, with ordinary stores.
 template <DType T>
-inline void store_group(void* base, std::int64_t at, const __m256 (&v)[4], const std::array<Lane, 4>& mask, bool) {
+inline void store_group(void* base, std::int64_t at, const __m256 (&v)[4], const std::array<Lane, 4>& mask, bool,
+                        bool nan) {
   if constexpr (T == DType::f32) {
     for (int h = 0; h < 4; ++h) storef(static_cast<float*>(base) + at + 8 * h, mask[h], v[h]);
   } else {
     alignas(32) std::uint16_t line[32];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(line), to_half<T>(v[0], v[1]));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(line + 16), to_half<T>(v[2], v[3]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(line), to_half<T>(v[0], v[1], nan));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(line + 16), to_half<T>(v[2], v[3], nan));
     const int n = mask[0].n + mask[1].n + mask[2].n + mask[3].n;
     std::memcpy(static_cast<std::uint16_t*>(base) + at, line, n * sizeof(std::uint16_t));
   }
