@@ -170,7 +170,7 @@ inline void store32(void* p, __m256i v, bool stream) {
 // A whole group's four vectors (32 channels) at base[at]: one 64-byte line of
 // bf16 / fp16 or two of fp32. Streamed (with `stream`) when its first line is
 // 64-byte aligned, so every line is written whole and in order; otherwise
-// ordinary stores. `nan`: has_nan<T>(v), or of a group NaN in every lane v is.
+// ordinary stores. `nan`: has_nan<T> of v, or of another group that is NaN wherever v is.
 template <DType T>
 inline void store_group(void* base, std::int64_t at, const __m256 (&v)[4], const std::array<WholeLane, 4>&,
                         bool stream, bool nan) {
