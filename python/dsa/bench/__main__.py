@@ -57,7 +57,7 @@ def _restart_with_torch_held(argv) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dsa-bench", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="only the quick cases (what `make run` runs)")
+    ap.add_argument("--quick", action="store_true", help="only the quick cases (what `make bench-quick` runs)")
     ap.add_argument("--filter", metavar="SUBSTR", help="only cases whose name contains SUBSTR (several: "
                     "SUBSTR,SUBSTR,... selects a case that contains any of them)")
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")

@@ -39,7 +39,7 @@ class Case:
     bytes_moved: float = 0.0                    # bytes the op must move (memory-bound cases)
     ceiling: str = "compute"                    # "compute" (FLOP/s) | "copy_bw" (bytes/s)
     dtype: str = "bf16"                         # "bf16" | "fp32": the inputs' dtype
-    quick: bool = False                         # part of `make run` (dsa-bench --quick)
+    quick: bool = False                         # part of `make bench-quick` (dsa-bench --quick)
     note: str = ""                              # e.g. why an implementation is skipped
     skip: dict[str, str] = field(default_factory=dict)  # impl -> reason it does not run here
     repeats: Optional[int] = None               # timed runs (default chosen by the harness)
