@@ -5,7 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # clang-14 and libclang-rt-14-dev: the libFuzzer build of tests/fuzz (make fuzz).
-apt_packages=(cmake ninja-build g++ libgtest-dev libbenchmark-dev python3-venv clang-14 libclang-rt-14-dev)
+# ccache: the build and `pip install .` compile the same library objects (CMakeLists.txt).
+apt_packages=(cmake ninja-build g++ libgtest-dev libbenchmark-dev python3-venv clang-14 libclang-rt-14-dev ccache)
 missing=()
 for p in "${apt_packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

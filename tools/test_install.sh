@@ -7,6 +7,11 @@ cd "$(dirname "$0")/.."
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
+# pip's build takes the compiler Python was built with (g++) unless CXX says otherwise;
+# with the one of build/ it compiles the library exactly as `make build` did, so the
+# compiler cache (ccache, CMakeLists.txt) serves every object (67 s -> 10 s on 2 cores).
+cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:FILEPATH=//p' build/CMakeCache.txt 2>/dev/null || true)
+if [ -n "$cxx" ] && [ -z "${CXX:-}" ]; then export CXX="$cxx"; fi
 .venv/bin/python -m pip install -q --no-deps --no-build-isolation --target "$tmp/site" .
 (cd "$tmp" && PYTHONPATH="$tmp/site" "$OLDPWD/.venv/bin/python" -c "
 import dsa, torch
