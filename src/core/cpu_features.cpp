@@ -66,7 +66,7 @@ Isa best_isa(const CpuFeatures& f) {
 }
 
 Isa choose_isa() {
-  Isa isa = best_isa(cpu_features());
+  Isa isa = machine_isa();
   if (const char* env = std::getenv("DSA_ISA"); env && *env) {  // empty: unset
     std::string want(env);
     Isa cap = isa;
@@ -94,6 +94,8 @@ const CpuFeatures& cpu_features() {
   static const CpuFeatures features = detect();
   return features;
 }
+
+Isa machine_isa() { return best_isa(cpu_features()); }
 
 namespace {
 std::atomic<int>& isa_limit() {

@@ -17,6 +17,9 @@ struct CpuFeatures {
 
 const CpuFeatures& cpu_features();
 
+// The best ISA this machine and build support, before DSA_ISA lowers it.
+Isa machine_isa();
+
 // The best ISA this machine and build support, lowered by DSA_ISA
 // (amx | avx512_bf16 | avx512 | avx2 | portable) when set; logged once under DSA_LOG=debug.
 Isa cpu_isa();
