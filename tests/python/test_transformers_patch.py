@@ -50,21 +50,34 @@ def test_off_unpatch_and_twin_are_bit_for_bit(kind):
 
 
 def test_no_transformers_function_or_class_is_changed():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as m32
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m4
     before = {k: v for mod in (m32, m4) for k, v in vars(mod).items()}
     methods = {c: dict(vars(c)) for c in (m32.DeepseekV32Attention, m32.DeepseekV32Indexer, m4.DeepseekV4Attention,
                                           m4.DeepseekV4CSACompressor, m4.DeepseekV4HCACompressor,
                                           m4.DeepseekV4Indexer)}
+    interfaces = [dict(i._global_mapping) for i in (ALL_ATTENTION_FUNCTIONS, ALL_MASK_ATTENTION_FUNCTIONS)]
     model = build("v4")
     patch(model, sas=False)  # binds compressor and indexer instances too
     patch(build("v32"), sas=False)
-    patch(build("v32"))
-    assert model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == "eager"  # sas=False: the model's own attention and masks
+    v32 = build("v32")
+    other = build("v32")
+    patch(v32)
+    # sas=True: the model (only it) reads the "dsa" implementation, whose mask transformers never builds.
+    assert v32.config._attn_implementation == "dsa" and other.config._attn_implementation == "eager"
     assert {k: v for mod in (m32, m4) for k, v in vars(mod).items()} == before
     assert {c: dict(vars(c)) for c in methods} == methods
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    assert not any("dsa" in k for k in ALL_ATTENTION_FUNCTIONS.keys())
+    # The two interfaces gained the one "dsa" key each and nothing else changed.
+    for mapping, old in zip((ALL_ATTENTION_FUNCTIONS._global_mapping, ALL_MASK_ATTENTION_FUNCTIONS._global_mapping),
+                            interfaces):
+        assert {k: v for k, v in mapping.items() if k != "dsa"} == {k: v for k, v in old.items() if k != "dsa"}
+        assert "dsa" in mapping
+    unpatch(v32)
+    assert v32.config._attn_implementation == "eager"
+    assert "_dsa_original_attn_implementation" not in v32.config.__dict__
 
 
 def test_import_dsa_does_not_import_transformers():

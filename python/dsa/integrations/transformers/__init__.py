@@ -5,10 +5,12 @@
     patch(model)                      # or DSA_PATCH=sas,li python train.py
 
 ``patch`` binds new ``forward`` methods to the model's own attention (and, with
-``sas=False``, compressor / indexer) module instances. Nothing in transformers is
-changed: no function or class is monkeypatched, ``_attn_implementation`` stays, no
-attention interface is registered, so another model in the same process, and this
-one after ``unpatch``, run exactly as before. See docs/transformers.md.
+``sas=False``, compressor / indexer) module instances. With ``sas=True`` it also sets
+the model's ``config._attn_implementation`` to ``"dsa"``, a name it registers in
+transformers' attention and mask interfaces, so that transformers builds no dense
+``[B, 1, S, Sk]`` mask for this model (``_mask.py``). No transformers function or class
+is monkeypatched, so another model in the same process, and this one after
+``unpatch``, run exactly as before. See docs/transformers.md.
 """
 from __future__ import annotations
 
@@ -128,12 +130,19 @@ def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compress
                     _bind(comp.indexer, _v4.indexer_forward, state, name + ".compressor.indexer")
     if found == 0:
         raise ValueError(f"patch: {type(model).__name__} holds no DeepSeek-V3.2 or DeepSeek-V4 attention module")
+    if opts.sas:
+        # transformers then builds no dense mask: the layers read what it would build one from.
+        from . import _mask
+        _mask.install(model)
     setattr(model, _STATE_ATTR, state)
     return model
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch`: every module gets its class's forward back."""
+    """Undo :func:`patch`: every module gets its class's forward back, every config its
+    attention implementation."""
+    from . import _mask
+    _mask.uninstall(model)
     for module in model.modules():
         if "_dsa_state" in module.__dict__:
             module.__dict__.pop("forward", None)

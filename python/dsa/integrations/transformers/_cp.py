@@ -11,9 +11,10 @@ call that mix tokens across the sequence are handled here:
 - RoPE: the model computes it from ``position_ids``; ``cp_batch`` passes each local
   row's position in its document (``shard.positions()``), and the compressed entries
   get their global positions from the shard.
-- The mask: transformers builds it from the local rows; the shard, not the mask,
-  defines what each query sees, so the mask is only checked to be the one the local
-  position ids imply (a caller's own mask is refused).
+- The mask: transformers describes it from the local rows (a ``DsaMask``, never
+  built); the shard, not the mask, defines what each query sees, so the mask is only
+  checked to be the causal (windowed) one of the local position ids, with no padding
+  mask (a caller's own mask is refused; a caller's dense 4-D mask is compared as before).
 - The LM loss: ``cp_batch`` shifts the labels over the rank boundary and passes the
   global target count, so ``out.loss`` is this rank's share of the global mean.
 - Everything else that would need the whole sequence (a cache, output_attentions,
@@ -140,6 +141,17 @@ def _mask_reason(state, mask, shard, window):
     ignored, so it is refused. Checked once per mask object (every layer shares it)."""
     if mask is None:
         return None  # implementations that build no mask: the shard alone defines visibility
+    from ._mask import DsaMask, describe
+    if isinstance(mask, DsaMask):
+        # The patched model's mask, never built: cp_batch passes no padding mask, and the mask
+        # function must be transformers' causal (or the layer's window) one, packed or not.
+        kw = mask.kwargs
+        shape = describe(kw.get("mask_function"))
+        if mask.attention_mask is not None or shape is None or kw.get("use_vmap") or shape[1] != window:
+            return "a caller's attention mask (under CP the shard defines visibility; pass no attention_mask)"
+        if kw.get("q_length") != shard.local_rows or kw.get("kv_length") != shard.local_rows:
+            return "an attention mask of unexpected shape or type"
+        return None
     cached = state.cp_mask_checked
     if cached is not None and cached[0]() is mask and cached[1] == window:
         return None

@@ -1,11 +1,14 @@
 """What a call's mask and positions say about its sequences, in the ops' length terms.
 
-transformers hands an attention module a dense mask ``[B, 1, S, Sk]`` and the
-position ids. The patch runs a call only if the mask is exactly the one dsa's
-length rule implies (causal, optionally a sliding window, right padding, or
-block-diagonal documents of a packed row); anything else is a reason to run the
-model's own forward. Checking the mask instead of trusting it keeps a custom
-mask from silently changing the answer.
+A patched model's attention gets a :class:`._mask.DsaMask` (what transformers would
+build the dense mask from: the 2-D padding mask, sizes, the mask function) and the
+position ids; a caller may still pass its own dense ``[B, 1, S, Sk]`` mask. The patch
+runs a call only if the mask is exactly the one dsa's length rule implies (causal,
+optionally a sliding window, right padding, or block-diagonal documents of a packed
+row); anything else is a reason to run the model's own forward. Checking the mask
+instead of trusting it keeps a custom mask from silently changing the answer. The
+DsaMask is read in O(B * T); a dense mask is compared element by element (its size
+is the caller's choice).
 """
 from __future__ import annotations
 
@@ -85,18 +88,15 @@ def _visibility(batch, seq, keys, past, window, docs_per_row, device) -> torch.T
     return vis
 
 
-def analyse(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], kwargs: dict, batch: int,
-            seq: int, past: int, window: Optional[int]) -> Union[Geometry, str]:
-    """The call's Geometry, or the reason (a string) why dsa cannot run it exactly."""
-    if mask is None:
-        return "no attention mask"
+def _dense_lengths(mask, batch, seq, past):
+    """From a dense [B, (1,) S, Sk] mask: (allowed [B, S, Sk] bool, valid query counts),
+    or a reason."""
     if not isinstance(mask, torch.Tensor):
         return "a non-tensor attention mask"
     m = mask[:, 0] if mask.dim() == 4 else mask
     if m.dim() != 3 or m.shape[-2] != seq or m.shape[-1] != past + seq:
         return "an attention mask of unexpected shape"
     m = m.expand(batch, -1, -1)
-    keys = m.shape[-1]
     if m.dtype == torch.bool:
         allowed = m
     else:
@@ -105,12 +105,21 @@ def analyse(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], 
         if not bool((allowed | blocked).all()):
             return "an additive attention mask with values other than 0 and -inf"
     valid = allowed.diagonal(offset=past, dim1=-2, dim2=-1)  # [B, S]: the query token is not padding
+    return allowed, valid
+
+
+def _prefix_lengths(valid: torch.Tensor, seq: int):
+    """Valid-query counts per row, or a reason when the valid queries are not a prefix."""
     lengths = valid.sum(-1)
-    prefix = torch.arange(seq, device=m.device).unsqueeze(0) < lengths.unsqueeze(1)
+    prefix = torch.arange(seq, device=valid.device).unsqueeze(0) < lengths.unsqueeze(1)
     if not torch.equal(valid, prefix):
         return "left padding or a padding mask that is not a prefix"
-    lengths = [int(n) for n in lengths.tolist()]
+    return [int(n) for n in lengths.tolist()]
 
+
+def _call_documents(position_ids, kwargs, batch, seq, past, lengths):
+    """Per row, the documents of a packed call (None: one sequence per row), or a reason.
+    From ``cu_seq_lens_q/k`` where given, else from position ids restarting at 0."""
     docs_per_row = None
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
@@ -140,26 +149,15 @@ def analyse(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], 
     elif position_ids is not None:
         pid = position_ids.expand(batch, seq)
         expect = torch.arange(past, past + seq, device=pid.device).unsqueeze(0)
+        prefix = torch.arange(seq, device=pid.device).unsqueeze(0) < torch.tensor(lengths, device=pid.device).unsqueeze(1)
         if not bool(((pid == expect) | ~prefix).all()):
             return "position_ids that do not follow the cache"
-
     if docs_per_row is not None and any(n != seq for n in lengths):
         return "packed rows with padding"
-    expected = _visibility(batch, seq, keys, past, window, docs_per_row, m.device)
-    key_valid = torch.arange(keys, device=m.device).unsqueeze(0) < (torch.tensor(lengths, device=m.device) + past).unsqueeze(1)
-    expected &= key_valid.unsqueeze(1)
-    rows = prefix.unsqueeze(-1)
-    if bool(((allowed != expected) & rows).any()):
-        ok = False
-        if docs_per_row is not None:
-            # A packed row whose mask is plain causal: transformers builds that mask when a cache
-            # exists (it skips its packed-sequence detection) and then lets documents see each
-            # other; the documents the position ids describe are what the caller packed.
-            plain = _visibility(batch, seq, keys, past, window, None, m.device)
-            ok = not bool((allowed != plain).any())
-        if not ok:
-            return "an attention mask dsa cannot express"
+    return docs_per_row
 
+
+def _geometry(batch, seq, past, lengths, docs_per_row, device) -> Geometry:
     if docs_per_row is None:
         return Geometry("BSND", batch, seq, past, lengths, [n + past for n in lengths], lengths)
     flat_docs = [d for row in docs_per_row for d in row]
@@ -174,7 +172,93 @@ def analyse(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], 
             starts += [s] * d
             s += d
     return Geometry("TND", batch, seq, 0, ends, list(ends), flat_docs,
-                    torch.tensor(starts, device=m.device).view(batch, seq))
+                    torch.tensor(starts, device=device).view(batch, seq))
+
+
+def analyse(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], kwargs: dict, batch: int,
+            seq: int, past: int, window: Optional[int]) -> Union[Geometry, str]:
+    """The call's Geometry, or the reason (a string) why dsa cannot run it exactly.
+
+    ``mask``: the :class:`._mask.DsaMask` of a patched model (read in O(B * Sk)), or a
+    dense mask tensor (a caller's own 4-D mask, or an unregistered implementation's),
+    compared element by element with the visibility dsa's rule gives."""
+    from ._mask import DsaMask
+    if mask is None:
+        return "no attention mask"
+    if isinstance(mask, DsaMask):
+        return analyse_compact(mask, position_ids, kwargs, batch, seq, past, window)
+    dense = _dense_lengths(mask, batch, seq, past)
+    if isinstance(dense, str):
+        return dense
+    allowed, valid = dense
+    lengths = _prefix_lengths(valid, seq)
+    if isinstance(lengths, str):
+        return lengths
+    docs_per_row = _call_documents(position_ids, kwargs, batch, seq, past, lengths)
+    if isinstance(docs_per_row, str):
+        return docs_per_row
+    keys, device = allowed.shape[-1], allowed.device
+    expected = _visibility(batch, seq, keys, past, window, docs_per_row, device)
+    key_valid = torch.arange(keys, device=device).unsqueeze(0) < (torch.tensor(lengths, device=device) + past).unsqueeze(1)
+    expected &= key_valid.unsqueeze(1)
+    rows = (torch.arange(seq, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).unsqueeze(-1)
+    if bool(((allowed != expected) & rows).any()):
+        ok = False
+        if docs_per_row is not None:
+            # A packed row whose mask is plain causal: transformers builds that mask when a cache
+            # exists (it skips its packed-sequence detection) and then lets documents see each
+            # other; the documents the position ids describe are what the caller packed.
+            plain = _visibility(batch, seq, keys, past, window, None, device)
+            ok = not bool((allowed != plain).any())
+        if not ok:
+            return "an attention mask dsa cannot express"
+    return _geometry(batch, seq, past, lengths, docs_per_row, device)
+
+
+def _offset(v) -> int:
+    return int(v.item()) if isinstance(v, torch.Tensor) else int(v or 0)
+
+
+def analyse_compact(mask, position_ids, kwargs, batch, seq, past, window) -> Union[Geometry, str]:
+    """:func:`analyse` on what transformers would build the dense mask from, in O(B * Sk).
+
+    The dense mask is causal(i, j) [and window] [and same document] and pad[b, j]; it
+    is dsa's rule exactly when the mask function is one of those (``_mask.describe``),
+    the sizes are this call's, and on every row the padding mask holds the cache (all
+    true) and then a prefix of the row's queries: that prefix is the row's length (the
+    diagonal the dense analysis reads), and no key a valid query sees is padding."""
+    from ._mask import describe
+    kw = mask.kwargs
+    shape = describe(kw.get("mask_function"))
+    if shape is None or kw.get("use_vmap"):
+        return "an attention mask dsa cannot express (a custom mask function)"
+    if shape[1] != window:
+        return "an attention mask dsa cannot express (its sliding window is not the layer's)"
+    if (kw.get("batch_size") != batch or kw.get("q_length") != seq or kw.get("kv_length") != past + seq
+            or _offset(kw.get("kv_offset")) != 0 or _offset(kw.get("q_offset")) != past):
+        return "an attention mask of unexpected shape"
+    pad = mask.attention_mask
+    if pad is None:
+        lengths = [seq] * batch
+    else:
+        if not isinstance(pad, torch.Tensor) or pad.dim() != 2 or pad.shape[-1] != past + seq or pad.shape[0] not in (1, batch):
+            return "an attention mask of unexpected shape"
+        pad = pad.to(torch.bool).expand(batch, -1)
+        lengths = _prefix_lengths(pad[:, past:], seq)
+        if isinstance(lengths, str):
+            return lengths
+        if past and not bool(pad[:, :past][torch.tensor(lengths, device=pad.device) > 0].all()):
+            return "an attention mask dsa cannot express (padding inside the cache)"
+    docs_per_row = _call_documents(position_ids, kwargs, batch, seq, past, lengths)
+    if isinstance(docs_per_row, str):
+        return docs_per_row
+    if shape[2] and kwargs.get("cu_seq_lens_q") is not None:
+        # transformers masks the documents of the position ids; cu_seq_lens must be the same ones.
+        own = _documents(position_ids, batch, seq, lengths)
+        if own != docs_per_row:
+            return "an attention mask dsa cannot express (cu_seq_lens other than the position ids' documents)"
+    device = position_ids.device if position_ids is not None else (pad.device if pad is not None else "cpu")
+    return _geometry(batch, seq, past, lengths, docs_per_row, device)
 
 
 def _ref(t):

@@ -12,15 +12,12 @@ import torch
 
 from . import _cp, _geometry, _loss, _ops
 from ._checks import call_reason, cache_layer_reason
+from ._mask import for_original, run_original
 
 from transformers.cache_utils import DynamicIndexedLayer
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as M
 
 _CACHE_LAYERS = (DynamicIndexedLayer,)
-
-
-def _original(self, *args, **kwargs):
-    return type(self).forward(self, *args, **kwargs)
 
 
 def _absorb_reason(linear):
@@ -93,7 +90,7 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
                 reason = "packed rows with a cache and the model's own indexer (li=False)"
         if reason is not None:
             st.fallback(reason)
-            return _original(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+            return run_original(self, hidden_states, position_embeddings, attention_mask, past_key_values,
                              position_ids, **kwargs)
         ops = _ops.Local(geom, opts.backend)
     geom = ops.geom
@@ -126,7 +123,8 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     kv = ops.keys(geom.flat(kv))
     if opts.indexer_loss != "dense" and not opts.li:
         # The model's own indexer (it appends this call's keys to the cache itself).
-        indices = ix(hidden_states, q_resid, position_embeddings, attention_mask[:, 0], position_ids,
+        indices = ix(hidden_states, q_resid, position_embeddings, for_original(attention_mask, self.config)[:, 0],
+                     position_ids,
                      past_key_values=past_key_values)
         if geom.layout == "TND":
             # Row positions -> positions in the query's document (other documents fall out as < 0
@@ -174,7 +172,7 @@ def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention
             reason = geom
     if reason is not None:
         st.fallback(reason)
-        return _original(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
+        return run_original(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,
                          past_key_values=past_key_values)
     q, k, w = _index_tensors(self, hidden_states, q_resid, position_embeddings, past_key_values, False, True)
     ops = _ops.Local(geom, st.options.backend)

@@ -10,6 +10,7 @@ import torch
 
 from . import _cp, _geometry, _loss, _metrics, _ops
 from ._checks import call_reason, cache_layer_reason
+from ._mask import run_original
 
 from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
@@ -110,10 +111,6 @@ def _select(ix, q, keys, weights, ops):
                        scale=ix.scorer.softmax_scale, cmp_ratio=ix.compress_rate)
 
 
-def _original(self, *args, **kwargs):
-    return type(self).forward(self, *args, **kwargs)
-
-
 def attention_forward(self, hidden_states, position_embeddings, position_ids, attention_mask,
                       past_key_values=None, **kwargs):
     st = self._dsa_state
@@ -138,7 +135,7 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
                 reason = "packed rows on a compressed layer without compressor=True (and li=True on CSA layers)"
         if reason is not None:
             st.fallback(reason)
-            return _original(self, hidden_states, position_embeddings, position_ids, attention_mask,
+            return run_original(self, hidden_states, position_embeddings, position_ids, attention_mask,
                              past_key_values, **kwargs)
         ops = _ops.Local(geom, opts.backend)
     geom = ops.geom
@@ -230,7 +227,7 @@ def compressor_forward(self, hidden_states, q_residual, position_ids, past_key_v
     reason = _module_reason(self, position_ids, past_key_values, layer_idx, hidden_states.shape[1])
     if reason is not None:
         st.fallback(reason)
-        return _original(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx)
+        return run_original(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx)
     ops = _ops.Local(_row_geometry(hidden_states), st.options.backend)
     entries, count, kv, gate = _compress(self, hidden_states, ops, True)
     if past_key_values is not None:
@@ -261,7 +258,7 @@ def indexer_forward(self, hidden_states, q_residual, position_ids, past_key_valu
     reason = _module_reason(self, position_ids, past_key_values, layer_idx, hidden_states.shape[1])
     if reason is not None:
         st.fallback(reason)
-        return _original(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx)
+        return run_original(self, hidden_states, q_residual, position_ids, past_key_values, layer_idx)
     ops = _ops.Local(_row_geometry(hidden_states), opts.backend)
     q, keys, weights, count, kv, gate = index_tensors(self, hidden_states, q_residual, position_ids,
                                                       lambda module, h: _compress(module, h, ops, True), False)
