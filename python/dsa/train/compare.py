@@ -34,14 +34,45 @@ def _child(spec: RunSpec, timeout_s: float, budget_gib: float | None = None) -> 
         return json.loads(out.read_text())
 
 
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def unpatched_skip(spec: RunSpec) -> str | None:
+    """Why the unpatched model cannot run this spec here, or None. Its eager attention forms
+    each layer's [B, H, T, T] scores in the model dtype and their softmax in fp32 (plus the
+    compressed entries on V4's compressed layers): a lower bound on its peak. Past the
+    memory available it would be killed by the OOM killer after minutes of swapping, so it
+    is skipped with the figure instead."""
+    available = _available_bytes()
+    elem = 4 if spec.dtype == "fp32" else 2
+    need = spec.batch * spec.heads * spec.seq_len * spec.seq_len * (elem + 4)
+    if available is None or need <= available:
+        return None
+    return (f"skipped: its eager attention needs >= {need / 2**30:.0f} GiB for one layer's [B, H, T, T] scores "
+            f"and fp32 softmax, {available / 2**30:.0f} GiB available")
+
+
 def compare(spec: RunSpec, budget_gib: float | None, timeout_s: float, log, configs=tuple(CONFIGS)) -> dict:
     runs = {}
     for name in configs:
         log(f"[compare] {name}: {spec.steps} steps, {spec.layers} layers, {spec.seq_len} tokens, {spec.dtype}")
+        skip = unpatched_skip(spec) if name == "unpatched" else None
+        if skip:
+            log(f"[compare] {name}: {skip}")
+            runs[name] = {"skipped": skip}
+            continue
         runs[name] = _child(replace(spec, config=name, save=None, resume=None), timeout_s)
     result = {"spec": asdict(spec), "runs": runs}
     base = runs.get("unpatched", {"error": "not run"})
-    if "error" not in base:
+    if "error" not in base and "skipped" not in base:
         agree = {}
         for name, r in runs.items():
             if name == "unpatched" or "error" in r:
@@ -52,8 +83,9 @@ def compare(spec: RunSpec, budget_gib: float | None, timeout_s: float, log, conf
     if budget_gib:
         log(f"[compare] layers within {budget_gib} GiB")
         result["memory_budget_gib"] = budget_gib
-        result["layers_within_budget"] = {name: _child(replace(spec, config=name), timeout_s, budget_gib)
-                                          for name in configs}
+        result["layers_within_budget"] = {
+            name: {"skipped": unpatched_skip(spec)} if name == "unpatched" and unpatched_skip(spec)
+            else _child(replace(spec, config=name), timeout_s, budget_gib) for name in configs}
     return result
 
 
@@ -78,6 +110,9 @@ def tables(result: dict) -> str:
         if "error" in r:
             lines.append(f"{name:<10} failed: {r['error']}")
             continue
+        if "skipped" in r:
+            lines.append(f"{name:<10} {r['skipped']}")
+            continue
         st = r["step_seconds"]
         speed = base_t / st["median"] if base_t else None
         lines.append(f"{name:<10} {st['median']:>13.2f} {st['min']:>6.2f}-{st['max']:<6.2f} {_fmt(speed):>8} "
@@ -89,7 +124,7 @@ def tables(result: dict) -> str:
     head = f"{'config':<10} " + " ".join(f"{k + ' s/layer':>14}" for k in kinds)
     lines += [head, "-" * len(head)]
     for name, r in runs.items():
-        if "error" in r:
+        if "error" in r or "skipped" in r:
             continue
         lines.append(f"{name:<10} " + " ".join(f"{r['layer_seconds_by_type'].get(k, math.nan):>14.3f}" for k in kinds))
     if "loss_agreement" in result:
@@ -110,8 +145,8 @@ def tables(result: dict) -> str:
         lines.append(f"most layers within {result['memory_budget_gib']} GiB:")
         base_l = result["layers_within_budget"].get("unpatched", {}).get("layers")
         for name, b in result["layers_within_budget"].items():
-            if "error" in b:
-                lines.append(f"  {name:<10} failed: {b['error']}")
+            if "error" in b or "skipped" in b:
+                lines.append(f"  {name:<10} " + (f"failed: {b['error']}" if "error" in b else b["skipped"]))
                 continue
             ratio = f" ({b['layers'] / base_l:.1f}x)" if base_l else ""
             bound = "" if b.get("exact", True) else " (at least: search stopped)"
