@@ -79,6 +79,21 @@ def test_compare_writes_tables_json_and_png(tmp_path):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_compare_skips_an_unpatched_model_that_cannot_fit():
+    """Where one layer's eager [B, H, T, T] scores alone exceed the memory available, the
+    unpatched configuration is skipped with the figure (and is not a failure); sizes it
+    can hold run."""
+    from dsa.train.compare import tables, unpatched_skip
+    from dsa.train.loop import RunSpec
+    assert unpatched_skip(RunSpec(seq_len=2048)) is None
+    reason = unpatched_skip(RunSpec(seq_len=1 << 20))
+    assert reason.startswith("skipped:") and "GiB" in reason
+    text = tables({"spec": {"layers": 1, "hidden": 256, "heads": 8, "head_dim": 128, "seq_len": 1 << 20, "batch": 1,
+                            "dtype": "fp32", "steps": 1, "warmup_steps": 0},
+                   "runs": {"unpatched": {"skipped": reason}}})
+    assert "unpatched" in text and reason in text
+
+
 def cli(capsys, *args):
     """dsa-train's main() in this process: (exit code, stderr). For the errors raised before
     any training, where a child process would spend seconds on its imports alone (the CLI's

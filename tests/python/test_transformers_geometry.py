@@ -25,7 +25,7 @@ def compared(monkeypatch):
 
     def both(mask, position_ids, kwargs, batch, seq, past, window):
         got = compact(mask, position_ids, kwargs, batch, seq, past, window)
-        dense = mask.dense(_mask.original_of(mask.kwargs["config"]))
+        dense = mask.dense(mask.kwargs["config"].dsa_test_original)
         want = _geometry.analyse(dense, position_ids, kwargs, batch, seq, past, window)
         if isinstance(want, str):
             assert got == want  # the same reason, so fallback_counts reads the same
@@ -61,6 +61,7 @@ def _packed_positions(rows):
 @pytest.mark.parametrize("kind, impl", [("v32", "eager"), ("v32", "sdpa"), ("v4", "eager")])
 def test_compact_geometry_equals_dense_analysis(compared, kind, impl):
     model = patch(build(kind, attn_implementation=impl))
+    model.config.dsa_test_original = impl  # what the compared dense analysis builds its mask with
     ids = _ids(2, 40)
     right = torch.ones(2, 40, dtype=torch.long)
     right[1, 29:] = 0
@@ -97,6 +98,7 @@ def test_compact_geometry_with_a_growing_cache(compared):
     """V3.2 prefill, a second chunk and decode steps (past > 0), with and without padding."""
     from transformers import DynamicCache
     model = patch(build("v32"))
+    model.config.dsa_test_original = "eager"
     ids = _ids(2, 40)
     for pad in (None, torch.ones(2, 30, dtype=torch.long)):
         cache = DynamicCache(config=model.config)

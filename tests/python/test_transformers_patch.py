@@ -77,7 +77,9 @@ def test_no_transformers_function_or_class_is_changed():
         assert "dsa" in mapping
     unpatch(v32)
     assert v32.config._attn_implementation == "eager"
-    assert "_dsa_original_attn_implementation" not in v32.config.__dict__
+    assert not any("_dsa_original_attn_implementation" in m.__dict__ for m in v32.modules())
+    # Nothing of the patch is saved with the config.
+    assert "dsa" not in patch(v32).config.to_json_string(use_diff=False)
 
 
 def test_import_dsa_does_not_import_transformers():

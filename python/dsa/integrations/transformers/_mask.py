@@ -23,8 +23,7 @@ from typing import Optional
 import torch
 
 NAME = "dsa"
-# The implementation the model had before patch(); kept on each config so that a deep
-# copy of a patched model (its configs included) still knows it.
+# The implementation a module's config had before patch(), kept on the module.
 ORIGINAL_ATTR = "_dsa_original_attn_implementation"
 
 
@@ -62,14 +61,14 @@ def dsa_mask(**kwargs) -> DsaMask:
 def dsa_attention(module, query, key, value, attention_mask, **kwargs):
     """The attention function registered as "dsa". A patched DeepSeek attention never calls
     it (its forward runs the ops; a fallback switches the implementation back first). Any
-    other module that reads the shared config runs the model's original implementation."""
+    other module of a patched model that reads the shared config runs the model's original
+    implementation."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    original = getattr(module.config, ORIGINAL_ATTR, None)
-    if original is None or original == NAME:
+    original = original_of(module)
+    if original is None:
         raise RuntimeError(f"dsa attention: {type(module).__name__} reached the 'dsa' attention implementation "
-                           "without a patched model's original implementation on its config")
-    if isinstance(attention_mask, DsaMask):
-        attention_mask = attention_mask.dense(original)
+                           "but is not part of a model patched by dsa.integrations.transformers.patch")
+    attention_mask = for_original(attention_mask, original)
     import sys
     # "eager" is each modeling file's own function, as the module's forward would pick it.
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
@@ -87,41 +86,44 @@ def register() -> None:
     AttentionInterface.register(NAME, dsa_attention)
 
 
-def configs_of(model) -> list:
-    """Every distinct transformers config the model's modules read."""
+def _modules_with_config(model):
     from transformers import PretrainedConfig
-    seen, out = set(), []
     for m in model.modules():
-        c = getattr(m, "config", None)
-        if isinstance(c, PretrainedConfig) and id(c) not in seen:
-            seen.add(id(c))
-            out.append(c)
-    return out
+        if isinstance(getattr(m, "config", None), PretrainedConfig):
+            yield m
 
 
 def install(model) -> None:
+    """Every config the model's modules read switches to "dsa"; each such module keeps its
+    config's original implementation as an attribute (a module attribute, not a config
+    field: it is deep-copied with the model and never saved into config.json)."""
     register()
-    for c in configs_of(model):
-        if c._attn_implementation_internal != NAME:
-            setattr(c, ORIGINAL_ATTR, c._attn_implementation_internal)
-        c._attn_implementation_internal = NAME
+    originals = {}
+    modules = list(_modules_with_config(model))
+    for m in modules:
+        c = m.config
+        originals.setdefault(id(c), m.__dict__.get(ORIGINAL_ATTR, c._attn_implementation_internal))
+        m.__dict__[ORIGINAL_ATTR] = originals[id(c)]
+    for m in modules:
+        m.config._attn_implementation_internal = NAME
 
 
 def uninstall(model) -> None:
-    for c in configs_of(model):
-        if ORIGINAL_ATTR in c.__dict__:
-            c._attn_implementation_internal = c.__dict__.pop(ORIGINAL_ATTR)
+    for m in _modules_with_config(model):
+        if ORIGINAL_ATTR in m.__dict__:
+            m.config._attn_implementation_internal = m.__dict__.pop(ORIGINAL_ATTR)
 
 
-def original_of(config) -> Optional[str]:
-    return getattr(config, ORIGINAL_ATTR, None)
+def original_of(module) -> Optional[str]:
+    """The implementation ``module``'s config had before patch(), or None (not patched with sas=True)."""
+    return module.__dict__.get(ORIGINAL_ATTR)
 
 
 @contextlib.contextmanager
-def original_implementation(config):
-    """The model's own implementation on ``config`` for the duration (a fallback call)."""
-    original = original_of(config)
-    if original is None or config._attn_implementation_internal != NAME:
+def original_implementation(module):
+    """The model's own implementation on ``module``'s config for the duration (a fallback call)."""
+    original, config = original_of(module), getattr(module, "config", None)
+    if original is None or config is None or config._attn_implementation_internal != NAME:
         yield
         return
     config._attn_implementation_internal = original
@@ -131,25 +133,25 @@ def original_implementation(config):
         config._attn_implementation_internal = NAME
 
 
-def for_original(mask, config):
+def for_original(mask, original: Optional[str]):
     """The mask a fallback hands the model's own forward: a DsaMask made dense as the
-    original implementation builds it; a dict of masks (generate) entry by entry."""
+    ``original`` implementation builds it; a dict of masks (generate) entry by entry."""
     if isinstance(mask, DsaMask):
-        return mask.dense(original_of(config))
+        return mask.dense(original)
     if isinstance(mask, dict) and any(isinstance(v, DsaMask) for v in mask.values()):
-        return {k: for_original(v, config) for k, v in mask.items()}
+        return {k: for_original(v, original) for k, v in mask.items()}
     return mask
 
 
 def run_original(module, *args, **kwargs):
     """The module's class forward on the call, as the unpatched model runs it: dense masks
     and the original attention implementation."""
-    config = getattr(module, "config", None)
-    if config is None or original_of(config) is None:  # not a model patched with sas=True
+    original = original_of(module)
+    if original is None:  # not a model patched with sas=True
         return type(module).forward(module, *args, **kwargs)
-    args = [for_original(a, config) for a in args]
-    kwargs = {k: for_original(v, config) for k, v in kwargs.items()}
-    with original_implementation(config):
+    args = [for_original(a, original) for a in args]
+    kwargs = {k: for_original(v, original) for k, v in kwargs.items()}
+    with original_implementation(module):
         return type(module).forward(module, *args, **kwargs)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from . import _cp, _geometry, _loss, _ops
 from ._checks import call_reason, cache_layer_reason
-from ._mask import for_original, run_original
+from ._mask import for_original, original_of, run_original
 
 from transformers.cache_utils import DynamicIndexedLayer
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as M
@@ -123,7 +123,7 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     kv = ops.keys(geom.flat(kv))
     if opts.indexer_loss != "dense" and not opts.li:
         # The model's own indexer (it appends this call's keys to the cache itself).
-        indices = ix(hidden_states, q_resid, position_embeddings, for_original(attention_mask, self.config)[:, 0],
+        indices = ix(hidden_states, q_resid, position_embeddings, for_original(attention_mask, original_of(self))[:, 0],
                      position_ids,
                      past_key_values=past_key_values)
         if geom.layout == "TND":
