@@ -63,6 +63,18 @@ def test_compare_writes_tables_json_and_png(tmp_path):
         assert run["memory_gib"]["peak_rss"] > 0
         for key in ("median", "min", "max"):
             assert run["step_seconds"][key] > 0
+        # Where the time goes: dsa's ops against the rest, forward and backward apart.
+        tb = run["time_breakdown"]
+        for phase in ("forward", "backward"):
+            assert tb[phase]["seconds"] > 0 and tb[phase]["rest_seconds"] > 0
+            assert abs(tb[phase]["dsa_seconds"] - sum(tb[phase]["dsa_ops"].values())) < 1e-9
+        if config == "unpatched":
+            assert tb["forward"]["dsa_ops"] == {} and tb["backward"]["dsa_ops"] == {}
+        else:
+            assert {"sparse_attention_fwd", "compressor"} <= set(tb["forward"]["dsa_ops"])
+            assert {"sparse_attention_bwd", "compressor_backward"} <= set(tb["backward"]["dsa_ops"])
+            assert ("indexer" in tb["forward"]["dsa_ops"]) == (config == "sas+li")
+            assert 0 < tb["forward"]["dsa_seconds"] < tb["forward"]["seconds"]
         last = run["steps"][-1]
         if config == "unpatched":
             assert last["indexer_kl"] == {}  # transformers' model has no indexer loss
@@ -76,6 +88,7 @@ def test_compare_writes_tables_json_and_png(tmp_path):
     for name, b in result["layers_within_budget"].items():
         assert b["layers"] >= 1, (name, b)
     assert "s/step median" in r.stdout and "most layers within 0.6 GiB" in r.stdout
+    assert "where a step's time goes" in r.stdout
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 

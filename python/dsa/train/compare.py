@@ -127,6 +127,19 @@ def tables(result: dict) -> str:
         if "error" in r or "skipped" in r:
             continue
         lines.append(f"{name:<10} " + " ".join(f"{r['layer_seconds_by_type'].get(k, math.nan):>14.3f}" for k in kinds))
+    breakdowns = [(name, r["time_breakdown"]) for name, r in runs.items() if "time_breakdown" in r]
+    if breakdowns:
+        lines.append("")
+        lines.append("where a step's time goes (one profiled forward + backward after the run):")
+        head = f"{'config':<10} {'phase':<8} {'seconds':>8} {'in dsa ops':>10} {'rest':>8} {'dsa %':>6}  dsa ops (s)"
+        lines += [head, "-" * len(head)]
+        for name, b in breakdowns:
+            for phase in ("forward", "backward"):
+                p = b[phase]
+                share = 100 * p["dsa_seconds"] / p["seconds"] if p["seconds"] else math.nan
+                ops = ", ".join(f"{k} {v:.3f}" for k, v in sorted(p["dsa_ops"].items(), key=lambda kv: -kv[1]))
+                lines.append(f"{name:<10} {phase:<8} {p['seconds']:>8.3f} {p['dsa_seconds']:>10.3f} "
+                             f"{p['rest_seconds']:>8.3f} {_fmt(share, 1):>6}  {ops or '-'}")
     if "loss_agreement" in result:
         lines.append("")
         for name, a in result["loss_agreement"].items():

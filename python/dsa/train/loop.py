@@ -222,9 +222,12 @@ def _run(spec: RunSpec, cp) -> dict:
         if bar is not None:
             bar.close()
         timer.remove()
+    breakdown = op_breakdown(model, ids) if cp is None and records else None
     if spec.save and (cp is None or cp.rank == 0):  # under CP every rank holds the same model
         _save(spec.save, model, optimizer, batches, start_step + spec.steps)
     result = summarise(spec, types, records, rss_start, _rss_gib("VmHWM"))
+    if breakdown is not None:
+        result["time_breakdown"] = breakdown
     if cp is not None:
         result["cp"] = cp.per_rank(result)
     return result
@@ -416,6 +419,48 @@ def search_layers(spec: RunSpec, budget_gib: float, log=lambda msg: None) -> dic
     exact = fits == 0 or fits >= MAX_LAYERS or (over is not None and over == fits + 1)
     return {"layers": fits, "exact": exact, "baseline_gib": base,
             "measured": {str(k): v for k, v in sorted(measured.items())}}
+
+
+def op_breakdown(model, ids: torch.Tensor) -> dict:
+    """Where a step's time goes: one more forward and backward on the last batch (no
+    optimizer step, the gradients dropped, so the run's results are untouched) under
+    torch's profiler. dsa's ops are torch.library ops named ``dsa::...``, forward and
+    backward kernels apart; each call's time is summed by op, and the rest of the phase is
+    the model's own work (projections, norms, RoPE, MoE, the patch's glue, autograd)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def dsa_ops(prof) -> dict:
+        """Inclusive time of each outermost dsa op call (the kernel runs in a nested
+        autograd-wrapper event, so self time would miss it)."""
+        ops = {}
+        for ev in prof.events():
+            if not ev.name.startswith("dsa::"):
+                continue
+            parent = ev.cpu_parent
+            while parent is not None and not parent.name.startswith("dsa::"):
+                parent = parent.cpu_parent
+            if parent is None:
+                name = ev.name[len("dsa::"):]
+                ops[name] = ops.get(name, 0.0) + ev.cpu_time_total / 1e6
+        return ops
+
+    model.zero_grad(set_to_none=True)
+    phases = {}
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        phases["forward"] = (time.perf_counter() - t0, prof)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        loss.backward()
+        phases["backward"] = (time.perf_counter() - t0, prof)
+    model.zero_grad(set_to_none=True)
+    out = {}
+    for name, (seconds, prof) in phases.items():
+        ops = dsa_ops(prof)
+        out[name] = {"seconds": seconds, "dsa_ops": ops, "dsa_seconds": sum(ops.values()),
+                     "rest_seconds": seconds - sum(ops.values())}
+    return out
 
 
 def summarise(spec: RunSpec, types: list[str], records: list[StepRecord], rss_start: float, rss_peak: float) -> dict:
