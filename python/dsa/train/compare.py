@@ -12,7 +12,7 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from .loop import CONFIGS, RunSpec
+from .loop import CONFIGS, RunSpec, proc_gib
 
 GIB = 1.0
 
@@ -34,38 +34,27 @@ def _child(spec: RunSpec, timeout_s: float, budget_gib: float | None = None) -> 
         return json.loads(out.read_text())
 
 
-def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def unpatched_skip(spec: RunSpec) -> str | None:
     """Why the unpatched model cannot run this spec here, or None. Its eager attention forms
     each layer's [B, H, T, T] scores in the model dtype and their softmax in fp32 (plus the
     compressed entries on V4's compressed layers): a lower bound on its peak. Past the
     memory available it would be killed by the OOM killer after minutes of swapping, so it
     is skipped with the figure instead."""
-    available = _available_bytes()
+    available = proc_gib("/proc/meminfo", "MemAvailable")
     elem = 4 if spec.dtype == "fp32" else 2
-    need = spec.batch * spec.heads * spec.seq_len * spec.seq_len * (elem + 4)
-    if available is None or need <= available:
+    need = spec.batch * spec.heads * spec.seq_len * spec.seq_len * (elem + 4) / 2**30
+    if math.isnan(available) or need <= available:
         return None
-    return (f"skipped: its eager attention needs >= {need / 2**30:.0f} GiB for one layer's [B, H, T, T] scores "
-            f"and fp32 softmax, {available / 2**30:.0f} GiB available")
+    return (f"skipped: its eager attention needs >= {need:.0f} GiB for one layer's [B, H, T, T] scores "
+            f"and fp32 softmax, {available:.0f} GiB available")
 
 
 def compare(spec: RunSpec, budget_gib: float | None, timeout_s: float, log, configs=tuple(CONFIGS)) -> dict:
     runs = {}
+    skip = unpatched_skip(spec)
     for name in configs:
         log(f"[compare] {name}: {spec.steps} steps, {spec.layers} layers, {spec.seq_len} tokens, {spec.dtype}")
-        skip = unpatched_skip(spec) if name == "unpatched" else None
-        if skip:
+        if name == "unpatched" and skip:
             log(f"[compare] {name}: {skip}")
             runs[name] = {"skipped": skip}
             continue
@@ -84,7 +73,7 @@ def compare(spec: RunSpec, budget_gib: float | None, timeout_s: float, log, conf
         log(f"[compare] layers within {budget_gib} GiB")
         result["memory_budget_gib"] = budget_gib
         result["layers_within_budget"] = {
-            name: {"skipped": unpatched_skip(spec)} if name == "unpatched" and unpatched_skip(spec)
+            name: {"skipped": skip} if name == "unpatched" and skip
             else _child(replace(spec, config=name), timeout_s, budget_gib) for name in configs}
     return result
 

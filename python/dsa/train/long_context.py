@@ -1,7 +1,7 @@
 """``python -m dsa.train.long_context``: time and peak memory of a patched DeepSeek-V4 /
 V3.2 forward and training step from 4K to 128K tokens.
 
-Each (model, tokens, mode) runs in a fresh interpreter, so its peak RSS (``ru_maxrss``)
+Each (model, tokens, mode) runs in a fresh interpreter, so its peak RSS (``VmHWM``)
 is its own: the model, its activations, dsa's workspaces and the allocator's slack.
 ``forward``: eval, ``torch.no_grad``, ``use_cache=False``, batch 1. ``step``: train
 mode, forward + backward of the LM loss with ``indexer_loss="sparse"`` (the indexer's
@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-GIB = float(1 << 30)
 
 
 def _v32_config(layers: int, tokens: int):
@@ -97,11 +95,13 @@ def run_case(kind: str, layers: int, tokens: int, mode: str, geometry: bool) -> 
     import torch
 
     from dsa.integrations.transformers import fallback_counts, indexer_losses, patch
+
+    from .loop import _rss_gib
     model = _model(kind, layers, tokens)
     patch(model, strict=True, indexer_loss="sparse" if mode == "step" else None)
     timer = _geometry_timer(kind) if geometry else None
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
-    rss_model = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    rss_model = _rss_gib("VmHWM")
     start = time.perf_counter()
     if mode == "forward":
         model.eval()
@@ -117,7 +117,7 @@ def run_case(kind: str, layers: int, tokens: int, mode: str, geometry: bool) -> 
         finite = finite and all(bool(torch.isfinite(v)) for v in indexer_losses(model).values())
     seconds = time.perf_counter() - start
     result = {"kind": kind, "layers": layers, "tokens": tokens, "mode": mode, "seconds": seconds,
-              "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB,
+              "peak_rss_gib": _rss_gib("VmHWM"),
               "rss_after_build_gib": rss_model, "loss": loss, "finite": finite,
               "fallbacks": dict(fallback_counts(model)), "threads": torch.get_num_threads()}
     if timer is not None:

@@ -60,15 +60,20 @@ class StepRecord:
     indexer_recall: dict[str, float] = field(default_factory=dict)
 
 
-def _rss_gib(field_name: str) -> float:
-    """VmRSS / VmHWM of this process from /proc (GiB); nan where /proc is missing."""
+def proc_gib(path: str, field_name: str) -> float:
+    """A "Name:  N kB" field of a /proc file (GiB); nan where /proc is missing."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path(path).read_text().splitlines():
             if line.startswith(field_name + ":"):
                 return int(line.split()[1]) / (1 << 20)
     except OSError:
         pass
     return float("nan")
+
+
+def _rss_gib(field_name: str) -> float:
+    """VmRSS / VmHWM of this process (GiB)."""
+    return proc_gib("/proc/self/status", field_name)
 
 
 class LayerTimer:

@@ -28,6 +28,7 @@ import torch
 
 from ._checks import call_reason
 from ._geometry import Geometry, _visibility
+from ._mask import DsaMask, function_reason
 from ._state import PatchFallbackError
 
 SHARD_KWARG = "dsa_cp_shard"
@@ -141,13 +142,11 @@ def _mask_reason(state, mask, shard, window):
     ignored, so it is refused. Checked once per mask object (every layer shares it)."""
     if mask is None:
         return None  # implementations that build no mask: the shard alone defines visibility
-    from ._mask import DsaMask, describe
     if isinstance(mask, DsaMask):
         # The patched model's mask, never built: cp_batch passes no padding mask, and the mask
         # function must be transformers' causal (or the layer's window) one, packed or not.
         kw = mask.kwargs
-        shape = describe(kw.get("mask_function"))
-        if mask.attention_mask is not None or shape is None or kw.get("use_vmap") or shape[1] != window:
+        if mask.attention_mask is not None or function_reason(mask, window) is not None:
             return "a caller's attention mask (under CP the shard defines visibility; pass no attention_mask)"
         if kw.get("q_length") != shard.local_rows or kw.get("kv_length") != shard.local_rows:
             return "an attention mask of unexpected shape or type"

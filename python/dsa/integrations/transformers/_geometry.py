@@ -18,6 +18,8 @@ from typing import Optional, Union
 
 import torch
 
+from ._mask import DsaMask, describe, function_reason
+
 
 @dataclass
 class Geometry:
@@ -89,8 +91,8 @@ def _visibility(batch, seq, keys, past, window, docs_per_row, device) -> torch.T
 
 
 def _dense_lengths(mask, batch, seq, past):
-    """From a dense [B, (1,) S, Sk] mask: (allowed [B, S, Sk] bool, valid query counts),
-    or a reason."""
+    """From a dense [B, (1,) S, Sk] mask: (allowed [B, S, Sk] bool, valid [B, S] bool: the
+    query token is not padding), or a reason."""
     if not isinstance(mask, torch.Tensor):
         return "a non-tensor attention mask"
     m = mask[:, 0] if mask.dim() == 4 else mask
@@ -182,7 +184,6 @@ def analyse(mask: Optional[torch.Tensor], position_ids: Optional[torch.Tensor], 
     ``mask``: the :class:`._mask.DsaMask` of a patched model (read in O(B * Sk)), or a
     dense mask tensor (a caller's own 4-D mask, or an unregistered implementation's),
     compared element by element with the visibility dsa's rule gives."""
-    from ._mask import DsaMask
     if mask is None:
         return "no attention mask"
     if isinstance(mask, DsaMask):
@@ -227,13 +228,10 @@ def analyse_compact(mask, position_ids, kwargs, batch, seq, past, window) -> Uni
     the sizes are this call's, and on every row the padding mask holds the cache (all
     true) and then a prefix of the row's queries: that prefix is the row's length (the
     diagonal the dense analysis reads), and no key a valid query sees is padding."""
-    from ._mask import describe
     kw = mask.kwargs
-    shape = describe(kw.get("mask_function"))
-    if shape is None or kw.get("use_vmap"):
-        return "an attention mask dsa cannot express (a custom mask function)"
-    if shape[1] != window:
-        return "an attention mask dsa cannot express (its sliding window is not the layer's)"
+    reason = function_reason(mask, window)
+    if reason is not None:
+        return reason
     if (kw.get("batch_size") != batch or kw.get("q_length") != seq or kw.get("kv_length") != past + seq
             or _offset(kw.get("kv_offset")) != 0 or _offset(kw.get("q_offset")) != past):
         return "an attention mask of unexpected shape"
@@ -252,7 +250,7 @@ def analyse_compact(mask, position_ids, kwargs, batch, seq, past, window) -> Uni
     docs_per_row = _call_documents(position_ids, kwargs, batch, seq, past, lengths)
     if isinstance(docs_per_row, str):
         return docs_per_row
-    if shape[2] and kwargs.get("cu_seq_lens_q") is not None:
+    if describe(kw["mask_function"])[2] and kwargs.get("cu_seq_lens_q") is not None:
         # transformers masks the documents of the position ids; cu_seq_lens must be the same ones.
         own = _documents(position_ids, batch, seq, lengths)
         if own != docs_per_row:

@@ -157,6 +157,18 @@ def run_original(module, *args, **kwargs):
 
 # ---- what the mask function says -----------------------------------------------------
 
+def function_reason(mask: DsaMask, window: Optional[int]) -> Optional[str]:
+    """Why the mask function of ``mask`` is not dsa's rule for a layer with ``window``
+    (None when it is: transformers' causal function, or its sliding window of exactly
+    that width, packed or not)."""
+    shape = describe(mask.kwargs.get("mask_function"))
+    if shape is None or mask.kwargs.get("use_vmap"):
+        return "an attention mask dsa cannot express (a custom mask function)"
+    if shape[1] != window:
+        return "an attention mask dsa cannot express (its sliding window is not the layer's)"
+    return None
+
+
 def _cells(fn) -> dict:
     code = getattr(fn, "__code__", None)
     if code is None or fn.__closure__ is None:

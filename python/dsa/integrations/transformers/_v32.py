@@ -123,8 +123,8 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     kv = ops.keys(geom.flat(kv))
     if opts.indexer_loss != "dense" and not opts.li:
         # The model's own indexer (it appends this call's keys to the cache itself).
-        indices = ix(hidden_states, q_resid, position_embeddings, for_original(attention_mask, original_of(self))[:, 0],
-                     position_ids,
+        dense_mask = for_original(attention_mask, original_of(self))  # the model's indexer reads [B, S, Sk]
+        indices = ix(hidden_states, q_resid, position_embeddings, dense_mask[:, 0], position_ids,
                      past_key_values=past_key_values)
         if geom.layout == "TND":
             # Row positions -> positions in the query's document (other documents fall out as < 0
