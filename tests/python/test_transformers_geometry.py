@@ -136,3 +136,23 @@ def test_compact_geometry_refuses_what_it_cannot_read():
                                     position_ids=pos, **extra)
         assert isinstance(custom, _mask.DsaMask)
         assert "custom mask function" in _geometry.analyse(custom, pos, {}, 1, 16, 0, None)
+
+
+def test_the_registered_attention_function_runs_the_original():
+    """'dsa' in AttentionInterface: a module of a patched model that reaches it (none of the
+    DeepSeek attentions does) gets the original implementation on the dense mask, bit for
+    bit; a module of no patched model gets a clear error."""
+    from transformers.masking_utils import create_sliding_window_causal_mask
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as m4
+    model = patch(build("v4"))
+    attn = model.model.layers[0].self_attn
+    emb = torch.zeros(1, 16, 8)
+    mask = create_sliding_window_causal_mask(config=model.config, inputs_embeds=emb, attention_mask=None,
+                                             past_key_values=None, position_ids=torch.arange(16).unsqueeze(0))
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, n, 16, 32, generator=g) for n in (4, 1))
+    got = _mask.dsa_attention(attn, q, k, k, mask, scaling=0.2)
+    want = m4.eager_attention_forward(attn, q, k, k, mask.dense("eager"), scaling=0.2)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(RuntimeError, match="not part of a model patched"):
+        _mask.dsa_attention(build("v4").model.layers[0].self_attn, q, k, k, mask, scaling=0.2)
