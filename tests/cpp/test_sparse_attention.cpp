@@ -237,6 +237,16 @@ void check_config(const Config& c, unsigned seed = 1) {
                             std::tuple{&fused1.dkv, &fused3.dkv, "dkv"}, std::tuple{&fused1.dcmp, &fused3.dcmp, "dcmp"},
                             std::tuple{&fused1.dkr, &fused3.dkr, "dkr"}, std::tuple{&fused1.dsinks, &fused3.dsinks, "dsinks"}})
     expect_identical(*a, *b, name);
+  // The backward in chunks of 5 query rows (blocks carry fp32 sums across
+  // chunks, implicit sets are cut at chunk edges) adds the same terms in the
+  // same order as in one pass: identical gradients, with any thread count.
+  cpu::attention_kernels::limit_backward_chunk_rows_for_testing(5);
+  Results chunked = run(p, Backend::cpu, 2);
+  cpu::attention_kernels::limit_backward_chunk_rows_for_testing(0);
+  for (auto [a, b, name] : {std::tuple{&fused1.dq, &chunked.dq, "chunked dq"}, std::tuple{&fused1.dkv, &chunked.dkv, "chunked dkv"},
+                            std::tuple{&fused1.dcmp, &chunked.dcmp, "chunked dcmp"}, std::tuple{&fused1.dkr, &chunked.dkr, "chunked dkr"},
+                            std::tuple{&fused1.dsinks, &chunked.dsinks, "chunked dsinks"}})
+    expect_identical(*a, *b, name);
 }
 
 Config tnd(std::vector<std::int64_t> q, std::vector<std::int64_t> k) {

@@ -120,10 +120,34 @@ struct AttentionKernel {
                              const KeyRows& keys, void* scratch, void* d_query, void* d_query_rope);
   // dkv of one owned block of `block.count` (<= shape.owner_rows) key rows:
   // accumulates every token's contribution in the given order and writes the
-  // block's rows of d_main [count][dim] and d_rope [count][rope_dim].
+  // block's rows of d_main [count][dim] and d_rope [count][rope_dim]. With
+  // `partial` (the driver runs the backward in chunks of query rows) the sums
+  // start from, and go back to, the block's fp32 sums so far [count][qk_dim]
+  // instead, and d_main / d_rope are not touched (start_block_sums, keep_block_sums).
   void (*backward_key_block)(const Shape& shape, const KeyRows& block, const TokenEntries* tokens,
-                             std::int64_t n_tokens, void* scratch, void* d_main, void* d_rope);
+                             std::int64_t n_tokens, void* scratch, float* partial, void* d_main, void* d_rope);
 };
+
+// backward_key_block's fp32 sums `acc` [rows][stride] (stride >= qk_dim, rows
+// >= count): the block's sums so far from `partial` where there is one, zero
+// everywhere else (padding dims and rows past the block included).
+inline void start_block_sums(const Shape& s, const float* partial, std::int64_t count, std::int64_t rows,
+                             std::int64_t stride, float* acc) {
+  std::memset(acc, 0, static_cast<std::size_t>(rows * stride) * sizeof(float));
+  if (!partial) return;
+  for (std::int64_t k = 0; k < count; ++k)
+    std::memcpy(acc + k * stride, partial + k * s.qk_dim(), static_cast<std::size_t>(s.qk_dim()) * sizeof(float));
+}
+
+// Writes the block's sums back to `partial` and says so; false (nothing
+// written) when there is none and the kernel stores the gradient itself.
+inline bool keep_block_sums(const Shape& s, const float* acc, std::int64_t count, std::int64_t stride,
+                            float* partial) {
+  if (!partial) return false;
+  for (std::int64_t k = 0; k < count; ++k)
+    std::memcpy(partial + k * s.qk_dim(), acc + k * stride, static_cast<std::size_t>(s.qk_dim()) * sizeof(float));
+  return true;
+}
 
 const AttentionKernel& portable_kernel();
 const AttentionKernel& avx2_kernel();
@@ -140,5 +164,8 @@ const AttentionKernel& avx512_bf16_forward_kernel();
 // Tests only: at the avx512_bf16 level the bf16 forward runs avx512_bf16_kernel()'s
 // own, the AMX forward's algorithm, which otherwise only AMX CPUs run.
 void use_pair_forward_for_testing(bool on);
+// Tests only: the backward's chunks of query rows hold at most `rows` rows
+// (0: the memory budget decides, as in use); the results must not change.
+void limit_backward_chunk_rows_for_testing(std::int64_t rows);
 
 }  // namespace dsa::cpu::attention_kernels

@@ -20,6 +20,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <new>
 #include <vector>
 
@@ -69,13 +70,16 @@ struct RowTask {
   std::int64_t seq, first, rows, cost;
 };
 
-// Row tasks of every sequence, longest first (balance; never changes results).
-std::vector<RowTask> row_tasks(const SparseAttentionProblem& p) {
+// Row tasks of every sequence's rows in the global row range [lo, hi), longest
+// first (balance; never changes results).
+std::vector<RowTask> row_tasks(const SparseAttentionProblem& p, std::int64_t lo = 0,
+                               std::int64_t hi = std::numeric_limits<std::int64_t>::max()) {
   std::vector<RowTask> tasks;
   for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
     const auto& seq = p.plan.seqs[b];
-    for (std::int64_t first = 0; first < seq.q_len; first += kRowsPerTask) {
-      const std::int64_t rows = std::min(kRowsPerTask, seq.q_len - first);
+    const std::int64_t end = std::min(seq.q_len, hi - seq.q_begin);
+    for (std::int64_t first = std::max<std::int64_t>(0, lo - seq.q_begin); first < end; first += kRowsPerTask) {
+      const std::int64_t rows = std::min(kRowsPerTask, end - first);
       const auto w = p.row_window(seq, first + rows - 1);
       const std::int64_t raw = p.indices ? p.topk : w.pos - w.raw_lo + 1;
       const std::int64_t cmp = p.cmp_kv ? (p.cmp_indices ? p.cmp_topk : w.cmp_visible) : 0;
@@ -276,10 +280,30 @@ float row_dot(const char* a, const char* b, DType dtype, std::int64_t n) {
   return sum;
 }
 
+std::atomic<std::int64_t>& backward_chunk_limit_for_testing() {
+  static std::atomic<std::int64_t> rows{0};
+  return rows;
+}
+
+// Query rows per chunk of the backward's phases 1 and 2. The bf16 pair kernels
+// keep ~110 KiB of packed query and grad_out per row between the phases (heads
+// padded to 16 and 32), 6.8 GiB at 64 Ki rows with H = 8: a chunk keeps that
+// to ~512 MiB. Each chunk reloads every owned block's keys and fp32 sums, so a
+// chunk is never under 1024 rows, where that reload is small against the
+// chunk's own work. Kernels with no packed state run in one chunk.
+std::int64_t backward_chunk_rows(std::size_t packed_row_bytes) {
+  if (const std::int64_t limit = backward_chunk_limit_for_testing().load(std::memory_order_relaxed); limit > 0)
+    return limit;
+  if (packed_row_bytes == 0) return std::numeric_limits<std::int64_t>::max();
+  constexpr std::size_t kPackedBudget = std::size_t{512} << 20;
+  return std::max<std::int64_t>(1024, static_cast<std::int64_t>(kPackedBudget / packed_row_bytes));
+}
+
 }  // namespace
 
 namespace attention_kernels {
 void use_pair_forward_for_testing(bool on) { pair_forward_for_testing().store(on); }
+void limit_backward_chunk_rows_for_testing(std::int64_t rows) { backward_chunk_limit_for_testing().store(rows); }
 }  // namespace attention_kernels
 
 void sparse_attention_fwd(const SparseAttentionProblem& p) {
@@ -348,51 +372,22 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   if (p.d_sinks) std::fill(p.d_sinks, p.d_sinks + H, 0.0f);
   if (p.plan.q_rows == 0) return;  // the gradients are all zero; as in the forward, size nothing from H, D
 
-  // Phase 1: per-row softmax constants, dsink terms and dq.
+  // Phases 1 and 2 run over chunks of query rows (backward_chunk_rows): the
+  // kernel's per-row packed state lives for one chunk only, and each owned block
+  // carries its fp32 sums from chunk to chunk. Chunks are taken in row order and
+  // each block adds its tokens in row order within a chunk, so every key row sees
+  // the same additions in the same order as in one pass: results do not depend
+  // on the chunking either.
+  const std::size_t packed_row = kernel.packed_row_bytes(shape);
+  const std::int64_t chunk_rows = std::min(p.plan.q_rows, backward_chunk_rows(packed_row));
+  const bool chunked = chunk_rows < p.plan.q_rows;
   core::ScratchVector<float> coef(p.plan.q_rows * H, 0.0f), delta(p.plan.q_rows * H, 0.0f);
   core::ScratchVector<float> sink_terms(p.sinks ? p.plan.q_rows * H : 0, 0.0f);
-  const std::vector<RowTask> tasks = row_tasks(p);
   const int threads = std::max(1, p.num_threads);
-  // Per-row operands the kernel packs in phase 1 and reuses in phase 2 (AMX: the
-  // query and grad_out in tile layouts), about the size of query + grad_out.
-  const std::size_t packed_row = kernel.packed_row_bytes(shape);
-  const core::ScratchBuffer packed(packed_row * p.plan.q_rows);  // not zeroed: every row that is read was written
+  const core::ScratchBuffer packed(packed_row * chunk_rows);  // not zeroed: every row that is read was written
   std::vector<Scratch> scratch = make_scratch(threads, kernel.scratch_bytes(scratch_shape), max_attended(p));
-  core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t t, int thread) {
-    const RowTask& task = tasks[t];
-    const auto& seq = p.plan.seqs[task.seq];
-    Scratch& s = scratch[thread];
-    for (std::int64_t i = task.first; i < task.first + task.rows; ++i) {
-      const std::int64_t row = seq.q_begin + i;
-      for (std::int64_t h = 0; h < H; ++h) {
-        const float m = p.saved_max[row * H + h], sum = p.saved_sum[row * H + h];
-        if (m == core::kNegInf) continue;  // empty row: no gradient at all
-        float scale_m = 1.0f, sink_term = 0.0f;
-        if (p.sinks && p.sinks[h] != core::kNegInf) {
-          const float top = std::max(m, p.sinks[h]);
-          scale_m = std::exp(m - top);
-          sink_term = std::exp(p.sinks[h] - top);
-        }
-        const float denom = sum * scale_m + sink_term;
-        const float d = row_dot(static_cast<const char*>(p.grad_out) + (row * p.go_row_stride + h * p.go_head_stride) * es,
-                                static_cast<const char*>(p.fwd_out) + (row * p.o_row_stride + h * p.o_head_stride) * es,
-                                p.dtype, dv);
-        coef[row * H + h] = scale_m / denom;
-        delta[row * H + h] = d;
-        if (p.sinks) sink_terms[row * H + h] = -(sink_term / denom) * d;
-      }
-      const KeyRows keys = gather_row(p, seq, i, s.ptrs);
-      if (keys.count == 0) continue;
-      RowBackward rb{static_cast<const char*>(p.grad_out) + row * p.go_row_stride * es, p.go_head_stride,
-                     p.saved_max + row * H, coef.data() + row * H, delta.data() + row * H,
-                     packed_row ? packed.data() + row * packed_row : nullptr};
-      kernel.backward_query_row(shape, query_row(p, row), rb, keys, s.aligned(),
-                                static_cast<char*>(p.d_query) + row * H * p.dim * es,
-                                p.rope_dim ? static_cast<char*>(p.d_query_rope) + row * H * p.rope_dim * es : nullptr);
-    }
-  });
 
-  // Phase 2: dkv / dkey_rope / dcmp_kv by owned key blocks.
+  // Owned key blocks of phase 2, and the explicit index sets inverted by block.
   std::vector<OwnerBlock> blocks;
   std::vector<std::int64_t> raw_base{0}, cmp_base{0};
   for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
@@ -412,6 +407,13 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   InvertedIndex raw_inv, cmp_inv;
   if (p.indices) raw_inv = invert(p, false, raw_base, shape.owner_rows);
   if (p.cmp_indices) cmp_inv = invert(p, true, cmp_base, cmp_shape.owner_rows);
+  // Per bucket, the first entry no chunk has taken yet (buckets are in row order).
+  std::vector<std::int64_t> raw_next(raw_inv.start.begin(), raw_inv.start.end() - (p.indices ? 1 : 0));
+  std::vector<std::int64_t> cmp_next(cmp_inv.start.begin(), cmp_inv.start.end() - (p.cmp_indices ? 1 : 0));
+  // The blocks' running sums between chunks: [rows][qk dims] (a compressed entry has no rope part).
+  const std::int64_t raw_width = shape.qk_dim(), cmp_width = cmp_shape.qk_dim();
+  core::ScratchVector<float> raw_partial(chunked ? p.kv_rows * raw_width : 0, 0.0f);
+  core::ScratchVector<float> cmp_partial(chunked && p.cmp_kv ? p.cmp_rows * cmp_width : 0, 0.0f);
 
   struct OwnerScratch {
     std::vector<TokenEntries> tokens;
@@ -420,77 +422,137 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
     const char* rope[kMaxOwnerBlock];
   };
   std::vector<OwnerScratch> owner(threads);
-  core::parallel_for(static_cast<std::int64_t>(blocks.size()), threads, [&](std::int64_t t, int thread) {
-    const OwnerBlock& blk = blocks[t];
-    const auto& seq = p.plan.seqs[blk.seq];
-    OwnerScratch& os = owner[thread];
-    os.tokens.clear();
-    auto make_token = [&](std::int64_t row, const std::uint16_t* offsets, std::int64_t count) {
-      RowBackward rb{static_cast<const char*>(p.grad_out) + row * p.go_row_stride * es, p.go_head_stride,
-                     p.saved_max + row * H, coef.data() + row * H, delta.data() + row * H,
-                     packed_row ? packed.data() + row * packed_row : nullptr};
-      os.tokens.push_back(TokenEntries{query_row(p, row), rb, offsets, count});
+
+  for (std::int64_t lo = 0; lo < p.plan.q_rows; lo += chunk_rows) {
+    const std::int64_t hi = std::min(p.plan.q_rows, lo + chunk_rows);
+    auto packed_of = [&](std::int64_t row) { return packed_row ? packed.data() + (row - lo) * packed_row : nullptr; };
+    auto row_backward = [&](std::int64_t row) {
+      return RowBackward{static_cast<const char*>(p.grad_out) + row * p.go_row_stride * es, p.go_head_stride,
+                         p.saved_max + row * H, coef.data() + row * H, delta.data() + row * H, packed_of(row)};
     };
-    const std::int64_t key_row0 = (blk.compressed ? seq.c_begin : seq.k_begin) + blk.first;
-    const InvertedIndex* inv = blk.compressed ? (p.cmp_indices ? &cmp_inv : nullptr) : (p.indices ? &raw_inv : nullptr);
-    if (inv) {
-      const std::int64_t bucket = blk.compressed ? t - n_raw_blocks : t;
-      for (std::int64_t e = inv->start[bucket]; e < inv->start[bucket + 1];) {
-        std::int64_t end = e;
-        while (end < inv->start[bucket + 1] && inv->rows[end] == inv->rows[e]) ++end;
-        make_token(inv->rows[e], inv->offsets.data() + e, end - e);
-        e = end;
-      }
-    } else {
-      // Implicit sets (band, every visible compressed entry): the tokens that see
-      // the block are a contiguous range; each sees a contiguous run of it.
-      const std::int64_t shift = seq.k_len - seq.q_len;  // pos(i) = shift + i
-      std::int64_t i_begin, i_end = seq.q_len;
-      if (blk.compressed) {
-        i_begin = std::max<std::int64_t>(0, (blk.first + 1) * p.ratio - 1 - shift);
-      } else {
-        i_begin = std::max<std::int64_t>(0, blk.first - shift);
-        if (p.window > 0) i_end = std::min(i_end, blk.first + blk.count - 1 + p.window - 1 - shift + 1);
-      }
-      os.offsets.resize(std::max<std::int64_t>(0, i_end - i_begin) * blk.count);
-      std::int64_t used = 0;
-      for (std::int64_t i = i_begin; i < i_end; ++i) {
-        const auto w = p.row_window(seq, i);
-        std::int64_t lo, hi;  // local entries [lo, hi) of the block
-        if (blk.compressed) {
-          lo = blk.first;
-          hi = std::min(blk.first + blk.count, w.cmp_visible);
-        } else {
-          lo = std::max(blk.first, w.raw_lo);
-          hi = std::min(blk.first + blk.count, w.pos + 1);
+
+    // Phase 1: per-row softmax constants, dsink terms and dq.
+    const std::vector<RowTask> tasks = row_tasks(p, lo, hi);
+    core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t t, int thread) {
+      const RowTask& task = tasks[t];
+      const auto& seq = p.plan.seqs[task.seq];
+      Scratch& s = scratch[thread];
+      for (std::int64_t i = task.first; i < task.first + task.rows; ++i) {
+        const std::int64_t row = seq.q_begin + i;
+        for (std::int64_t h = 0; h < H; ++h) {
+          const float m = p.saved_max[row * H + h], sum = p.saved_sum[row * H + h];
+          if (m == core::kNegInf) continue;  // empty row: no gradient at all
+          float scale_m = 1.0f, sink_term = 0.0f;
+          if (p.sinks && p.sinks[h] != core::kNegInf) {
+            const float top = std::max(m, p.sinks[h]);
+            scale_m = std::exp(m - top);
+            sink_term = std::exp(p.sinks[h] - top);
+          }
+          const float denom = sum * scale_m + sink_term;
+          const float d = row_dot(static_cast<const char*>(p.grad_out) + (row * p.go_row_stride + h * p.go_head_stride) * es,
+                                  static_cast<const char*>(p.fwd_out) + (row * p.o_row_stride + h * p.o_head_stride) * es,
+                                  p.dtype, dv);
+          coef[row * H + h] = scale_m / denom;
+          delta[row * H + h] = d;
+          if (p.sinks) sink_terms[row * H + h] = -(sink_term / denom) * d;
         }
-        if (hi <= lo) continue;
-        std::uint16_t* off = os.offsets.data() + used;
-        for (std::int64_t j = lo; j < hi; ++j) off[j - lo] = static_cast<std::uint16_t>(j - blk.first);
-        used += hi - lo;
-        make_token(seq.q_begin + i, off, hi - lo);
+        const KeyRows keys = gather_row(p, seq, i, s.ptrs);
+        if (keys.count == 0) continue;
+        kernel.backward_query_row(shape, query_row(p, row), row_backward(row), keys, s.aligned(),
+                                  static_cast<char*>(p.d_query) + row * H * p.dim * es,
+                                  p.rope_dim ? static_cast<char*>(p.d_query_rope) + row * H * p.rope_dim * es : nullptr);
       }
-    }
-    for (std::int64_t k = 0; k < blk.count; ++k) {
-      if (blk.compressed) {
-        os.main[k] = static_cast<const char*>(p.cmp_kv) + (key_row0 + k) * p.cmp_row_stride * es;
-        os.rope[k] = nullptr;
+    });
+
+    // Phase 2: the chunk's contributions to dkv / dkey_rope / dcmp_kv, by owned key blocks.
+    core::parallel_for(static_cast<std::int64_t>(blocks.size()), threads, [&](std::int64_t t, int thread) {
+      const OwnerBlock& blk = blocks[t];
+      const auto& seq = p.plan.seqs[blk.seq];
+      OwnerScratch& os = owner[thread];
+      os.tokens.clear();
+      auto make_token = [&](std::int64_t row, const std::uint16_t* offsets, std::int64_t count) {
+        os.tokens.push_back(TokenEntries{query_row(p, row), row_backward(row), offsets, count});
+      };
+      const std::int64_t key_row0 = (blk.compressed ? seq.c_begin : seq.k_begin) + blk.first;
+      const InvertedIndex* inv = blk.compressed ? (p.cmp_indices ? &cmp_inv : nullptr) : (p.indices ? &raw_inv : nullptr);
+      if (inv) {
+        const std::int64_t bucket = blk.compressed ? t - n_raw_blocks : t;
+        std::int64_t& next = blk.compressed ? cmp_next[bucket] : raw_next[bucket];  // this task's own
+        while (next < inv->start[bucket + 1] && inv->rows[next] < hi) {
+          std::int64_t end = next;
+          while (end < inv->start[bucket + 1] && inv->rows[end] == inv->rows[next]) ++end;
+          make_token(inv->rows[next], inv->offsets.data() + next, end - next);
+          next = end;
+        }
       } else {
-        os.main[k] = static_cast<const char*>(p.kv) + (key_row0 + k) * p.kv_row_stride * es;
-        os.rope[k] = p.key_rope ? static_cast<const char*>(p.key_rope) + (key_row0 + k) * p.kr_row_stride * es : nullptr;
+        // Implicit sets (band, every visible compressed entry): the tokens that see
+        // the block are a contiguous range; each sees a contiguous run of it.
+        const std::int64_t shift = seq.k_len - seq.q_len;  // pos(i) = shift + i
+        std::int64_t i_begin, i_end = std::min(seq.q_len, hi - seq.q_begin);
+        if (blk.compressed) {
+          i_begin = std::max<std::int64_t>(0, (blk.first + 1) * p.ratio - 1 - shift);
+        } else {
+          i_begin = std::max<std::int64_t>(0, blk.first - shift);
+          if (p.window > 0) i_end = std::min(i_end, blk.first + blk.count - 1 + p.window - 1 - shift + 1);
+        }
+        i_begin = std::max(i_begin, lo - seq.q_begin);
+        os.offsets.resize(std::max<std::int64_t>(0, i_end - i_begin) * blk.count);
+        std::int64_t used = 0;
+        for (std::int64_t i = i_begin; i < i_end; ++i) {
+          const auto w = p.row_window(seq, i);
+          std::int64_t lo_key, hi_key;  // local entries [lo_key, hi_key) of the block
+          if (blk.compressed) {
+            lo_key = blk.first;
+            hi_key = std::min(blk.first + blk.count, w.cmp_visible);
+          } else {
+            lo_key = std::max(blk.first, w.raw_lo);
+            hi_key = std::min(blk.first + blk.count, w.pos + 1);
+          }
+          if (hi_key <= lo_key) continue;
+          std::uint16_t* off = os.offsets.data() + used;
+          for (std::int64_t j = lo_key; j < hi_key; ++j) off[j - lo_key] = static_cast<std::uint16_t>(j - blk.first);
+          used += hi_key - lo_key;
+          make_token(seq.q_begin + i, off, hi_key - lo_key);
+        }
       }
-    }
-    if (os.tokens.empty()) return;
-    const KeyRows block_rows{os.main, os.rope, blk.count};
-    if (blk.compressed) {
-      kernel.backward_key_block(cmp_shape, block_rows, os.tokens.data(), static_cast<std::int64_t>(os.tokens.size()),
-                                scratch[thread].aligned(), static_cast<char*>(p.d_cmp_kv) + key_row0 * p.dim * es, nullptr);
-    } else {
-      kernel.backward_key_block(shape, block_rows, os.tokens.data(), static_cast<std::int64_t>(os.tokens.size()),
-                                scratch[thread].aligned(), static_cast<char*>(p.d_kv) + key_row0 * p.dim * es,
-                                p.rope_dim ? static_cast<char*>(p.d_key_rope) + key_row0 * p.rope_dim * es : nullptr);
-    }
-  });
+      if (os.tokens.empty()) return;  // nothing of this chunk: the block's sums stand
+      for (std::int64_t k = 0; k < blk.count; ++k) {
+        if (blk.compressed) {
+          os.main[k] = static_cast<const char*>(p.cmp_kv) + (key_row0 + k) * p.cmp_row_stride * es;
+          os.rope[k] = nullptr;
+        } else {
+          os.main[k] = static_cast<const char*>(p.kv) + (key_row0 + k) * p.kv_row_stride * es;
+          os.rope[k] = p.key_rope ? static_cast<const char*>(p.key_rope) + (key_row0 + k) * p.kr_row_stride * es : nullptr;
+        }
+      }
+      const KeyRows block_rows{os.main, os.rope, blk.count};
+      if (blk.compressed) {
+        kernel.backward_key_block(cmp_shape, block_rows, os.tokens.data(), static_cast<std::int64_t>(os.tokens.size()),
+                                  scratch[thread].aligned(), chunked ? cmp_partial.data() + key_row0 * cmp_width : nullptr,
+                                  static_cast<char*>(p.d_cmp_kv) + key_row0 * p.dim * es, nullptr);
+      } else {
+        kernel.backward_key_block(shape, block_rows, os.tokens.data(), static_cast<std::int64_t>(os.tokens.size()),
+                                  scratch[thread].aligned(), chunked ? raw_partial.data() + key_row0 * raw_width : nullptr,
+                                  static_cast<char*>(p.d_kv) + key_row0 * p.dim * es,
+                                  p.rope_dim ? static_cast<char*>(p.d_key_rope) + key_row0 * p.rope_dim * es : nullptr);
+      }
+    });
+  }
+
+  // After the last chunk: the blocks' sums in the storage dtype (rows no token
+  // attends summed nothing and stay zero, as in one pass).
+  if (chunked) {
+    auto store = [&](const float* sums, std::int64_t width, std::int64_t rows, void* d_main, void* d_rope) {
+      core::parallel_for(rows, threads, [&](std::int64_t r, int) {
+        const float* src = sums + r * width;
+        for (std::int64_t j = 0; j < p.dim; ++j) core::store_float(d_main, p.dtype, r * p.dim + j, src[j]);
+        for (std::int64_t j = p.dim; j < width; ++j)
+          core::store_float(d_rope, p.dtype, r * (width - p.dim) + j - p.dim, src[j]);
+      });
+    };
+    store(raw_partial.data(), raw_width, p.kv_rows, p.d_kv, p.d_key_rope);
+    if (p.cmp_kv) store(cmp_partial.data(), cmp_width, p.cmp_rows, p.d_cmp_kv, nullptr);
+  }
 
   // Phase 3: dsinks, summed in row order.
   if (p.d_sinks)
