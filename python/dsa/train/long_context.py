@@ -96,12 +96,12 @@ def run_case(kind: str, layers: int, tokens: int, mode: str, geometry: bool) -> 
 
     from dsa.integrations.transformers import fallback_counts, indexer_losses, patch
 
-    from .loop import _rss_gib
+    from .loop import proc_gib  # with torch: not at module level, where the parent runs without it
     model = _model(kind, layers, tokens)
     patch(model, strict=True, indexer_loss="sparse" if mode == "step" else None)
     timer = _geometry_timer(kind) if geometry else None
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
-    rss_model = _rss_gib("VmHWM")
+    rss_model = proc_gib("/proc/self/status", "VmHWM")
     start = time.perf_counter()
     if mode == "forward":
         model.eval()
@@ -117,7 +117,7 @@ def run_case(kind: str, layers: int, tokens: int, mode: str, geometry: bool) -> 
         finite = finite and all(bool(torch.isfinite(v)) for v in indexer_losses(model).values())
     seconds = time.perf_counter() - start
     result = {"kind": kind, "layers": layers, "tokens": tokens, "mode": mode, "seconds": seconds,
-              "peak_rss_gib": _rss_gib("VmHWM"),
+              "peak_rss_gib": proc_gib("/proc/self/status", "VmHWM"),
               "rss_after_build_gib": rss_model, "loss": loss, "finite": finite,
               "fallbacks": dict(fallback_counts(model)), "threads": torch.get_num_threads()}
     if timer is not None:
