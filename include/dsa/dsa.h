@@ -9,5 +9,6 @@
 #include "dsa/kl_loss.h"
 #include "dsa/layout.h"
 #include "dsa/peak.h"
+#include "dsa/runtime.h"
 #include "dsa/sparse_attention.h"
 #include "dsa/tensor.h"

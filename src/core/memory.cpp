@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "core/validate.h"
-#include "dsa/backend.h"
+#include "dsa/runtime.h"
 #include "dsa/error.h"
 
 #if defined(__linux__)

@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "dsa/backend.h"
+#include "dsa/runtime.h"
 
 namespace dsa {
 

@@ -11,6 +11,7 @@
 #include "core/sequences.h"
 #include "core/thread_pool.h"
 #include "dsa/backend.h"
+#include "dsa/runtime.h"
 #include "dsa/error.h"
 #include "dsa/indexer.h"
 #include "dsa/tensor.h"
