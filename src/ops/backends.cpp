@@ -9,6 +9,7 @@
 #include "dsa/backend.h"
 #include "dsa/error.h"
 #include "dsa/indexer.h"
+#include "ops/op_table.h"
 
 namespace dsa {
 
@@ -32,9 +33,9 @@ const char* backend_name(Backend backend) {
 
 Backend resolve_backend(Backend requested, Device device) {
   if (requested == Backend::automatic) requested = device == Device::cuda ? Backend::cuda : Backend::cpu;
-  if (requested == Backend::cuda)
+  if (!ops::backend_built(requested))
     core::fail_unsupported(
-        "backend 'cuda' is not built into this dsa (it is planned; rebuild with DSA_CUDA=ON "
+        "backend '", backend_name(requested), "' is not built into this dsa (it is planned; rebuild with DSA_CUDA=ON "
         "once it exists); pass backend='cpu' or backend='reference' with CPU tensors");
   if (device != Device::cpu)
     core::fail_unsupported("backend '", backend_name(requested), "' runs on CPU tensors only, got ",
@@ -70,7 +71,7 @@ std::vector<BackendInfo> backends() {
   for (Backend b : {Backend::reference, Backend::cpu, Backend::cuda}) {
     BackendInfo info;
     info.name = backend_name(b);
-    info.built = b != Backend::cuda;
+    info.built = ops::backend_built(b);
     if (!info.built) {
       info.detail = "not built (CUDA kernels are planned; rebuild with DSA_CUDA=ON once they exist)";
     } else {

@@ -5,6 +5,7 @@
 #include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
+#include "ops/op_table.h"
 #include "dsa/compressor.h"
 
 namespace dsa {
@@ -134,10 +135,7 @@ void run_fwd(const TensorView& kv, const TensorView& gate, const TensorView& pos
     p.stats = stats->ptr<float>();
   }
   p.compressed = compressed.data;
-  core::run_kernel("compressor_fwd", [&] {
-    if (backend == Backend::reference) reference::compressor_fwd(p);
-    else cpu::compressor_fwd(p);
-  });
+  ops::dispatch(&ops::OpTable::compressor_fwd, backend, p);
 }
 
 void run_bwd(const TensorView& grad_compressed, const TensorView& kv, const TensorView& gate,
@@ -169,10 +167,7 @@ void run_bwd(const TensorView& grad_compressed, const TensorView& kv, const Tens
     require_output(*stats, "stats", DType::f32, stats_shape(kv, p, tnd), stats_shape_name(tnd));
     p.stats = const_cast<float*>(stats->ptr<const float>());  // read only by the backward
   }
-  core::run_kernel("compressor_bwd", [&] {
-    if (backend == Backend::reference) reference::compressor_bwd(p);
-    else cpu::compressor_bwd(p);
-  });
+  ops::dispatch(&ops::OpTable::compressor_bwd, backend, p);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
+#include "ops/op_table.h"
 #include "dsa/dense_indexer.h"
 #include "ops/indexer.h"
 #include "ops/kl_loss.h"
@@ -135,10 +136,7 @@ void dense_indexer_lse(const TensorView& index_query, const TensorView& index_ke
   p.ratio = params.cmp_ratio;
   p.num_threads = resolve_num_threads(params.num_threads);
   p.lse = indexer_lse.ptr<float>();
-  core::run_kernel("dense_indexer_lse", [&] {
-    if (backend == Backend::reference) reference::dense_indexer_lse(p);
-    else cpu::dense_indexer_lse(p);
-  });
+  ops::dispatch(&ops::OpTable::dense_indexer_lse, backend, p);
 }
 
 void dense_indexer_kl_loss_fwd(const TensorView& index_query, const TensorView& index_key,
@@ -155,10 +153,7 @@ void dense_indexer_kl_loss_fwd(const TensorView& index_query, const TensorView& 
   require_dtype(loss, "loss", {DType::f32});
   if (loss.numel() != 1) fail_argument("loss: expected one element, got shape ", shape_string(loss));
   p.loss = loss.ptr<float>();
-  core::run_kernel("dense_indexer_kl_loss_fwd", [&] {
-    if (backend == Backend::reference) reference::dense_indexer_kl_loss_fwd(p);
-    else cpu::dense_indexer_kl_loss_fwd(p);
-  });
+  ops::dispatch(&ops::OpTable::dense_indexer_kl_loss_fwd, backend, p);
 }
 
 void dense_indexer_kl_loss_bwd(const TensorView& index_query, const TensorView& index_key,
@@ -179,10 +174,7 @@ void dense_indexer_kl_loss_bwd(const TensorView& index_query, const TensorView& 
   p.d_index_query = d_index_query.data;
   p.d_index_key = d_index_key.data;
   p.d_weights = d_head_weights.data;
-  core::run_kernel("dense_indexer_kl_loss_bwd", [&] {
-    if (backend == Backend::reference) reference::dense_indexer_kl_loss_bwd(p);
-    else cpu::dense_indexer_kl_loss_bwd(p);
-  });
+  ops::dispatch(&ops::OpTable::dense_indexer_kl_loss_bwd, backend, p);
 }
 
 }  // namespace dsa

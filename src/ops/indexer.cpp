@@ -6,6 +6,7 @@
 #include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
+#include "ops/op_table.h"
 #include "dsa/indexer.h"
 
 namespace dsa {
@@ -93,10 +94,7 @@ void indexer_topk(const TensorView& index_query, const TensorView& index_key,
   p.ratio = params.cmp_ratio;
   p.num_threads = resolve_num_threads(params.num_threads);
 
-  core::run_kernel("indexer_topk", [&] {
-    if (backend == Backend::reference) reference::indexer_topk(p);
-    else cpu::indexer_topk(p);
-  });
+  ops::dispatch(&ops::OpTable::indexer_topk, backend, p);
 }
 
 }  // namespace dsa

@@ -7,6 +7,7 @@
 #include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
+#include "ops/op_table.h"
 #include "ops/indexer.h"
 
 namespace dsa {
@@ -196,10 +197,7 @@ void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView
   p.reduction = params.reduction;
   p.loss = loss.ptr<float>();
   p.score_grad = score_grad.present() ? score_grad.ptr<float>() : nullptr;
-  core::run_kernel("kl_loss_fwd", [&] {
-    if (backend == Backend::reference) reference::kl_loss_fwd(p);
-    else cpu::kl_loss_fwd(p);
-  });
+  ops::dispatch(&ops::OpTable::kl_loss_fwd, backend, p);
 }
 
 void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
@@ -227,10 +225,7 @@ void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
   p.d_index_query = d_index_query.data;
   p.d_index_key = d_index_key.data;
   p.d_weights = d_weights.data;
-  core::run_kernel("kl_loss_bwd", [&] {
-    if (backend == Backend::reference) reference::kl_loss_bwd(p);
-    else cpu::kl_loss_bwd(p);
-  });
+  ops::dispatch(&ops::OpTable::kl_loss_bwd, backend, p);
 }
 
 }  // namespace dsa

@@ -7,6 +7,7 @@
 #include "core/memory.h"
 #include "core/thread_pool.h"
 #include "core/validate.h"
+#include "ops/op_table.h"
 #include "dsa/sparse_attention.h"
 
 namespace dsa {
@@ -181,16 +182,6 @@ void check_output(const TensorView& t, const char* name, DType dtype, const Tens
   require_size(t, name, dims - 1, last >= 0 ? last : like.size(dims - 1), "the shape of its input");
 }
 
-void dispatch(Backend backend, const TensorView& query, bool forward, const SparseAttentionProblem& p) {
-  core::run_kernel(forward ? "sparse_attention_fwd" : "sparse_attention_bwd", [&] {
-    if (backend == Backend::reference) {
-      forward ? reference::sparse_attention_fwd(p) : reference::sparse_attention_bwd(p);
-    } else {
-      forward ? cpu::sparse_attention_fwd(p) : cpu::sparse_attention_bwd(p);
-    }
-  });
-}
-
 }  // namespace
 
 void sparse_attention_fwd(const SparseAttentionInputs& inputs, const SparseAttentionParams& params,
@@ -205,7 +196,7 @@ void sparse_attention_fwd(const SparseAttentionInputs& inputs, const SparseAtten
   p.out = out.data;
   p.softmax_max = softmax_max.ptr<float>();
   p.softmax_sum = softmax_sum.ptr<float>();
-  dispatch(backend, inputs.query, true, p);
+  ops::dispatch(&ops::OpTable::sparse_attention_fwd, backend, p);
 }
 
 void sparse_attention_bwd(const SparseAttentionInputs& inputs, const SparseAttentionParams& params,
@@ -258,7 +249,7 @@ void sparse_attention_bwd(const SparseAttentionInputs& inputs, const SparseAtten
   }
   if (p.cmp_kv) p.d_cmp_kv = grads.d_cmp_kv.data;
   if (p.sinks) p.d_sinks = grads.d_sinks.ptr<float>();
-  dispatch(backend, inputs.query, false, p);
+  ops::dispatch(&ops::OpTable::sparse_attention_bwd, backend, p);
 }
 
 }  // namespace dsa
