@@ -15,11 +15,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/cpu_features.h"
 #include "core/memory.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/compressor/pool_kernels.h"
+#include "cpu/select.h"
 #include "ops/compressor.h"
 
 namespace dsa::cpu {
@@ -39,15 +39,13 @@ std::atomic<std::int64_t>& stream_gradient_bytes() {
   return bytes;
 }
 
-const PoolKernel& pick_kernel() {
-  switch (core::cpu_isa()) {
-    case core::Isa::amx:
-    case core::Isa::avx512_bf16: return avx512_bf16_kernel();
-    case core::Isa::avx512: return avx512_kernel();
-    case core::Isa::avx2: return avx2_kernel();
-    default: return portable_kernel();
-  }
-}
+// Candidates, best first (cpu/select.h); every pool kernel takes every problem.
+constexpr Candidate<PoolKernel, CompressorProblem> kPoolKernels[] = {
+    {core::Isa::avx512_bf16, avx512_bf16_kernel},
+    {core::Isa::avx512, avx512_kernel},
+    {core::Isa::avx2, avx2_kernel},
+    {core::Isa::portable, portable_kernel},
+};
 
 struct Entry {
   std::int64_t token_row;  // first token of the entry's own block
@@ -155,7 +153,7 @@ void stream_gradients_from_bytes_for_testing(std::int64_t bytes) { stream_gradie
 }  // namespace compressor_kernels
 
 void compressor_fwd(const CompressorProblem& p) {
-  const PoolKernel& kernel = pick_kernel();
+  const PoolKernel& kernel = select_kernel(kPoolKernels, p);
   const std::size_t es = element_size(p.dtype);
   const std::int64_t c = p.channels;
   // BSND rows past a row's count hold no entry.
@@ -191,7 +189,7 @@ void compressor_fwd(const CompressorProblem& p) {
 }
 
 void compressor_bwd(const CompressorProblem& p) {
-  const PoolKernel& kernel = pick_kernel();
+  const PoolKernel& kernel = select_kernel(kPoolKernels, p);
   const std::size_t es = element_size(p.dtype);
   const std::int64_t c = p.channels, C = p.in_channels, m = p.ratio;
   core::advise_huge_pages(p.grad_kv, static_cast<std::size_t>(p.rows * C) * es);

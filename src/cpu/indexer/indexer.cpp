@@ -8,24 +8,38 @@
 #include <cstring>
 #include <vector>
 
-#include "core/cpu_features.h"
 #include "core/memory.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/indexer/row_topk.h"
 #include "cpu/indexer/score_kernels.h"
+#include "cpu/select.h"
 #include "ops/indexer.h"
 
 namespace dsa::cpu {
 
+namespace {
+
+bool is_bf16(const DType& dtype) { return dtype == DType::bf16; }
+
+// Candidates, best first (cpu/select.h): the bf16 pair kernels take bf16 only.
+constexpr Candidate<indexer_kernels::ScoreKernel, DType> kScoreKernels[] = {
+    {core::Isa::amx, indexer_kernels::amx_kernel, is_bf16},
+    {core::Isa::avx512_bf16, indexer_kernels::avx512_bf16_kernel, is_bf16},
+    {core::Isa::avx512, indexer_kernels::avx512_kernel},
+    {core::Isa::avx2, indexer_kernels::avx2_kernel},
+    {core::Isa::portable, indexer_kernels::portable_kernel},
+};
+
+constexpr Candidate<indexer_kernels::CandidateFilter, DType> kCandidateFilters[] = {
+    {core::Isa::avx512, indexer_kernels::avx512_filter},
+    {core::Isa::portable, indexer_kernels::portable_filter},
+};
+
+}  // namespace
+
 const indexer_kernels::ScoreKernel& indexer_kernels::pick_score_kernel(DType dtype) {
-  switch (core::cpu_isa()) {
-    case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
-    case core::Isa::avx512_bf16: return dtype == DType::bf16 ? avx512_bf16_kernel() : avx512_kernel();
-    case core::Isa::avx512: return avx512_kernel();
-    case core::Isa::avx2: return avx2_kernel();
-    default: return portable_kernel();
-  }
+  return select_kernel(kScoreKernels, dtype);
 }
 
 namespace {
@@ -54,8 +68,7 @@ void indexer_topk(const IndexerProblem& p) {
   // legal; 2 * topk below overflowed, found by fuzz_indexer).
   if (p.plan.q_rows == 0) return;
   const ScoreKernel& kernel = pick_score_kernel(p.dtype);
-  const AppendCandidatesFn append =
-      core::cpu_isa() >= core::Isa::avx512 ? append_candidates_avx512 : append_candidates_portable;
+  const AppendCandidatesFn append = select_kernel(kCandidateFilters, p.dtype).append;
   for (std::int64_t row : core::padding_rows(p.plan)) {
     std::fill(p.indices + row * p.topk, p.indices + (row + 1) * p.topk, -1);
     if (p.scores) std::fill(p.scores + row * p.topk, p.scores + (row + 1) * p.topk, core::kNegInf);

@@ -60,6 +60,20 @@ std::int64_t append_candidates_avx512(const float* scores, std::int64_t n,
                                       bool accept_all, std::uint32_t* keys,
                                       std::int32_t* positions);
 
+// The candidate filters as kernel tables, for cpu/select.h.
+struct CandidateFilter {
+  const char* name;
+  AppendCandidatesFn append;
+};
+inline const CandidateFilter& portable_filter() {
+  static const CandidateFilter filter{"portable", append_candidates_portable};
+  return filter;
+}
+inline const CandidateFilter& avx512_filter() {
+  static const CandidateFilter filter{"avx512", append_candidates_avx512};
+  return filter;
+}
+
 struct RowTopK {
   std::uint32_t* keys = nullptr;
   std::int32_t* positions = nullptr;

@@ -4,57 +4,51 @@
 #include <cmath>
 #include <vector>
 
-#include "core/cpu_features.h"
 #include "core/memory.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/indexer/score_kernels.h"
-#include "cpu/kl_loss/kl_pairs.h"
 #include "cpu/kl_loss/kl_kernels.h"
+#include "cpu/select.h"
 
 namespace dsa::cpu {
 namespace {
 
-const kl_kernels::KlKernels& pick() {
-  switch (core::cpu_isa()) {
-    case core::Isa::amx:
-    case core::Isa::avx512_bf16:
-    case core::Isa::avx512: return kl_kernels::avx512_kernels();
-    case core::Isa::avx2: return kl_kernels::avx2_kernels();
-    default: return kl_kernels::portable_kernels();
-  }
-}
+using namespace kl_kernels;
+using core::Isa;
+
+// Candidates, best first (cpu/select.h): for bf16 the pair kernels with AMX
+// tiles (kl_amx.cpp, kl_dense_amx.cpp) or the same kernels on vdpbf16ps
+// (kl_avx512bf16.cpp, kl_dense_avx512bf16.cpp), for the problems their tiles
+// take; otherwise the generic ones.
+constexpr Candidate<SparseKlKernels, SparseKlProblem> kSparseFwd[] = {
+    {Isa::amx, amx_sparse_kernels, pair_sparse_fwd_supported},
+    {Isa::avx512_bf16, avx512_bf16_sparse_kernels, pair_sparse_fwd_supported},
+    {Isa::avx512, avx512_sparse_kernels},
+    {Isa::avx2, avx2_sparse_kernels},
+    {Isa::portable, portable_sparse_kernels},
+};
+constexpr Candidate<SparseKlKernels, SparseKlBackwardProblem> kSparseBwd[] = {
+    {Isa::amx, amx_sparse_kernels, pair_sparse_bwd_supported},
+    {Isa::avx512_bf16, avx512_bf16_sparse_kernels, pair_sparse_bwd_supported},
+    {Isa::avx512, avx512_sparse_kernels},
+    {Isa::avx2, avx2_sparse_kernels},
+    {Isa::portable, portable_sparse_kernels},
+};
+constexpr Candidate<DenseKlKernels, DenseKlProblem> kDense[] = {
+    {Isa::amx, amx_dense_kernels, pair_dense_supported},
+    {Isa::avx512_bf16, avx512_bf16_dense_kernels, pair_dense_supported},
+    {Isa::avx512, avx512_dense_kernels},
+    {Isa::avx2, avx2_dense_kernels},
+    {Isa::portable, portable_dense_kernels},
+};
 
 }  // namespace
 
-// bf16 on AMX machines: the pair kernels with AMX tiles (kl_amx.cpp,
-// kl_dense_amx.cpp); on AVX-512-BF16 ones the same kernels on vdpbf16ps
-// (kl_avx512bf16.cpp, kl_dense_avx512bf16.cpp); otherwise the generic ones.
-void kl_loss_fwd(const SparseKlProblem& p) {
-  using namespace kl_kernels;
-  if (core::cpu_isa() == core::Isa::amx && amx_sparse_supported(p)) return amx_sparse_fwd(p);
-  if (core::cpu_isa() == core::Isa::avx512_bf16 && avx512_bf16_sparse_supported(p)) return avx512_bf16_sparse_fwd(p);
-  pick().sparse_fwd(p);
-}
-void kl_loss_bwd(const SparseKlBackwardProblem& p) {
-  using namespace kl_kernels;
-  if (core::cpu_isa() == core::Isa::amx && amx_sparse_bwd_supported(p)) return amx_sparse_bwd(p);
-  if (core::cpu_isa() == core::Isa::avx512_bf16 && avx512_bf16_sparse_bwd_supported(p))
-    return avx512_bf16_sparse_bwd(p);
-  pick().sparse_bwd(p);
-}
-void dense_indexer_kl_loss_fwd(const DenseKlProblem& p) {
-  using namespace kl_kernels;
-  if (core::cpu_isa() == core::Isa::amx && amx_dense_supported(p)) return amx_dense_fwd(p);
-  if (core::cpu_isa() == core::Isa::avx512_bf16 && avx512_bf16_dense_supported(p)) return avx512_bf16_dense_fwd(p);
-  pick().dense_fwd(p);
-}
-void dense_indexer_kl_loss_bwd(const DenseKlProblem& p) {
-  using namespace kl_kernels;
-  if (core::cpu_isa() == core::Isa::amx && amx_dense_supported(p)) return amx_dense_bwd(p);
-  if (core::cpu_isa() == core::Isa::avx512_bf16 && avx512_bf16_dense_supported(p)) return avx512_bf16_dense_bwd(p);
-  pick().dense_bwd(p);
-}
+void kl_loss_fwd(const SparseKlProblem& p) { select_kernel(kSparseFwd, p).fwd(p); }
+void kl_loss_bwd(const SparseKlBackwardProblem& p) { select_kernel(kSparseBwd, p).bwd(p); }
+void dense_indexer_kl_loss_fwd(const DenseKlProblem& p) { select_kernel(kDense, p).fwd(p); }
+void dense_indexer_kl_loss_bwd(const DenseKlProblem& p) { select_kernel(kDense, p).bwd(p); }
 
 void dense_indexer_lse(const DenseLseProblem& p) {
   using namespace indexer_kernels;

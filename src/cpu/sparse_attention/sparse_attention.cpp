@@ -24,10 +24,10 @@
 #include <new>
 #include <vector>
 
-#include "core/cpu_features.h"
 #include "core/memory.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
+#include "cpu/select.h"
 #include "cpu/sparse_attention/attention_kernels.h"
 #include "ops/sparse_attention.h"
 
@@ -45,22 +45,34 @@ std::atomic<bool>& pair_forward_for_testing() {
   return on;
 }
 
-const AttentionKernel& pick_kernel(DType dtype, Pass pass) {
-  switch (core::cpu_isa()) {
-    case core::Isa::amx: return dtype == DType::bf16 ? amx_kernel() : avx512_kernel();
-    // The forward's P.V stays on fp32 FMAs (its logits run on bf16 dots): with P
-    // rounded to bf16 the output that feeds the next layer carried measurably
-    // more error into a bf16 model's gradients (docs/sparse_attention.md); the
-    // backward's bf16 products did not, and run at 1.3x the FMA backward.
-    case core::Isa::avx512_bf16:
-      if (dtype != DType::bf16) return avx512_kernel();
-      if (pair_forward_for_testing().load(std::memory_order_relaxed)) return avx512_bf16_kernel();
-      return pass == Pass::backward ? avx512_bf16_kernel() : avx512_bf16_forward_kernel();
-    case core::Isa::avx512: return avx512_kernel();
-    case core::Isa::avx2: return avx2_kernel();
-    default: return portable_kernel();
-  }
+// What a kernel is chosen by: the inputs' dtype and the pass.
+struct KernelQuery {
+  DType dtype;
+  Pass pass;
+};
+
+bool bf16_inputs(const KernelQuery& q) { return q.dtype == DType::bf16; }
+
+// The forward's P.V stays on fp32 FMAs (its logits run on bf16 dots): with P
+// rounded to bf16 the output that feeds the next layer carried measurably
+// more error into a bf16 model's gradients (docs/sparse_attention.md); the
+// backward's bf16 products did not, and run at 1.3x the FMA backward.
+bool bf16_pair_pass(const KernelQuery& q) {
+  return q.dtype == DType::bf16 &&
+         (q.pass == Pass::backward || pair_forward_for_testing().load(std::memory_order_relaxed));
 }
+
+// Candidates, best first (cpu/select.h).
+constexpr Candidate<AttentionKernel, KernelQuery> kAttentionKernels[] = {
+    {core::Isa::amx, amx_kernel, bf16_inputs},
+    {core::Isa::avx512_bf16, avx512_bf16_kernel, bf16_pair_pass},
+    {core::Isa::avx512_bf16, avx512_bf16_forward_kernel, bf16_inputs},
+    {core::Isa::avx512, avx512_kernel},
+    {core::Isa::avx2, avx2_kernel},
+    {core::Isa::portable, portable_kernel},
+};
+
+const AttentionKernel& pick_kernel(DType dtype, Pass pass) { return select_kernel(kAttentionKernels, {dtype, pass}); }
 
 Shape shape_of(const SparseAttentionProblem& p) {
   return Shape{p.dtype, p.heads, p.dim, p.rope_dim, p.d_v, p.scale};
