@@ -8,6 +8,7 @@
 #include "dsa/indexer.h"
 #include "dsa/kl_loss.h"
 #include "dsa/layout.h"
+#include "dsa/paged_cache.h"
 #include "dsa/peak.h"
 #include "dsa/runtime.h"
 #include "dsa/sparse_attention.h"

@@ -9,7 +9,8 @@
 
 namespace dsa {
 
-enum class DType : int { f32, bf16, f16, i32, i64 };
+// u8: raw bytes, the storage of paged caches (dsa/paged_cache.h).
+enum class DType : int { f32, bf16, f16, i32, i64, u8 };
 enum class Device : int { cpu, cuda };
 
 const char* dtype_name(DType dtype);

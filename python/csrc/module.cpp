@@ -21,9 +21,10 @@ TensorView to_view(const nb::ndarray<>& a, const char* name) {
   else if (dt.lanes == 1 && dt.code == static_cast<std::uint8_t>(code::Bfloat) && dt.bits == 16) v.dtype = DType::bf16;
   else if (dt.lanes == 1 && dt.code == static_cast<std::uint8_t>(code::Int) && dt.bits == 32) v.dtype = DType::i32;
   else if (dt.lanes == 1 && dt.code == static_cast<std::uint8_t>(code::Int) && dt.bits == 64) v.dtype = DType::i64;
+  else if (dt.lanes == 1 && dt.code == static_cast<std::uint8_t>(code::UInt) && dt.bits == 8) v.dtype = DType::u8;
   else
     throw Error(ErrorKind::invalid_argument,
-                std::string(name) + ": unsupported dtype (expected float32, bfloat16, float16, int32 or int64)");
+                std::string(name) + ": unsupported dtype (expected float32, bfloat16, float16, int32, int64 or uint8)");
   return v;
 }
 

@@ -11,6 +11,7 @@ const char* dtype_name(DType dtype) {
     case DType::f16: return "float16";
     case DType::i32: return "int32";
     case DType::i64: return "int64";
+    case DType::u8: return "uint8";
   }
   return "unknown";
 }
@@ -22,6 +23,7 @@ std::size_t dtype_size(DType dtype) {
     case DType::f16: return 2;
     case DType::i32: return 4;
     case DType::i64: return 8;
+    case DType::u8: return 1;
   }
   return 0;
 }

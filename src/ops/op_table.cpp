@@ -17,6 +17,8 @@ const OpTable& op_table() {
                                     cpu::dense_indexer_kl_loss_bwd},
       .compressor_fwd = {"compressor_fwd", reference::compressor_fwd, cpu::compressor_fwd},
       .compressor_bwd = {"compressor_bwd", reference::compressor_bwd, cpu::compressor_bwd},
+      .cache_write = {"cache_write", reference::cache_write, cpu::cache_write},
+      .cache_gather = {"cache_gather", reference::cache_gather, cpu::cache_gather},
   };
   return table;
 }

@@ -12,6 +12,7 @@
 #include "ops/compressor.h"
 #include "ops/indexer.h"
 #include "ops/kl_loss.h"
+#include "ops/paged_cache.h"
 #include "ops/sparse_attention.h"
 
 namespace dsa::ops {
@@ -45,6 +46,7 @@ struct OpTable {
   OpEntry<DenseLseProblem> dense_indexer_lse;
   OpEntry<DenseKlProblem> dense_indexer_kl_loss_fwd, dense_indexer_kl_loss_bwd;
   OpEntry<CompressorProblem> compressor_fwd, compressor_bwd;
+  OpEntry<CacheRowsProblem> cache_write, cache_gather;
 
   // Calls f on every entry (a new row is added here too).
   template <class F>
@@ -52,6 +54,7 @@ struct OpTable {
     f(indexer_topk), f(sparse_attention_fwd), f(sparse_attention_bwd), f(kl_loss_fwd), f(kl_loss_bwd);
     f(dense_indexer_lse), f(dense_indexer_kl_loss_fwd), f(dense_indexer_kl_loss_bwd);
     f(compressor_fwd), f(compressor_bwd);
+    f(cache_write), f(cache_gather);
   }
 };
 

@@ -1,0 +1,108 @@
+// Internal: paged caches after validation (dsa/paged_cache.h), the token
+// codec every decode kernel shares, and the block-table walk.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/fp8.h"
+#include "core/numeric.h"
+#include "dsa/paged_cache.h"
+
+namespace dsa::core {
+
+struct PagedCache {
+  std::uint8_t* data = nullptr;
+  std::int64_t num_blocks = 0, block_size = 0, token_bytes = 0;
+  CacheLayout layout;
+
+  std::int64_t quantised_dim() const { return layout.dim - layout.rope_dim; }
+  std::int64_t scale_groups() const { return (quantised_dim() + kCacheScaleGroup - 1) / kCacheScaleGroup; }
+  std::uint8_t* token(std::int64_t slot) const { return data + slot * token_bytes; }
+};
+
+// A request's block table row. Entries were checked to lie in [-1, num_blocks).
+struct BlockTable {
+  const std::int32_t* data = nullptr;
+  std::int64_t batch = 0, width = 0, row_stride = 0, col_stride = 0;
+  std::int64_t block_size = 0;
+  bool ring = false;
+
+  std::int64_t block(std::int64_t b, std::int64_t column) const {
+    return data[b * row_stride + column * col_stride];
+  }
+  std::int64_t column(std::int64_t pos) const { return ring ? (pos / block_size) % width : pos / block_size; }
+  // The slot (block * block_size + row) of position `pos` of request b; the
+  // caller checked with require_covered that the block exists.
+  std::int64_t slot(std::int64_t b, std::int64_t pos) const {
+    return block(b, column(pos)) * block_size + pos % block_size;
+  }
+};
+
+// Validation (the op layer): the cache tensor against its layout, the block
+// table's shape and entries, and that positions [first, end) of request b
+// have blocks (`what` names the argument that asked for them).
+PagedCache validate_paged_cache(const TensorView& cache, const CacheLayout& layout, const char* name);
+BlockTable validate_block_table(const TensorView& block_table, std::int64_t batch, const PagedCache& cache,
+                                const char* name);
+void require_covered(const BlockTable& table, std::int64_t b, std::int64_t first, std::int64_t end,
+                     const char* what);
+// Per-request lengths ([B] int32 or int64, each in [0, limit]) as int64.
+std::vector<std::int64_t> read_lengths(const TensorView& lengths, const char* name, std::int64_t batch,
+                                       std::int64_t limit, const char* limit_what);
+
+// The token codec. encode: `values` (fp32, dim of them) -> one record.
+inline void encode_token(const PagedCache& cache, const float* values, std::uint8_t* record) {
+  const CacheLayout& l = cache.layout;
+  if (l.dtype == CacheDType::bf16) {
+    std::uint16_t* out = reinterpret_cast<std::uint16_t*>(record);
+    for (std::int64_t i = 0; i < l.dim; ++i) out[i] = float_to_bf16(values[i]);
+    return;
+  }
+  const std::int64_t nq = cache.quantised_dim(), groups = cache.scale_groups();
+  float* scales = reinterpret_cast<float*>(record + nq);
+  for (std::int64_t g = 0; g < groups; ++g) {
+    const std::int64_t i0 = g * kCacheScaleGroup, i1 = std::min(nq, i0 + kCacheScaleGroup);
+    float amax = 0.0f;
+    for (std::int64_t i = i0; i < i1; ++i) amax = std::fmax(amax, std::fabs(values[i]));
+    // fmax drops NaN: look for one so that the scale marks it.
+    for (std::int64_t i = i0; i < i1; ++i)
+      if (std::isnan(values[i])) amax = values[i];
+    const float scale = e4m3_group_scale(amax);
+    std::memcpy(scales + g, &scale, 4);
+    for (std::int64_t i = i0; i < i1; ++i) record[i] = float_to_e4m3(values[i] / scale);
+  }
+  std::uint16_t* rope = reinterpret_cast<std::uint16_t*>(record + nq + 4 * groups);
+  for (std::int64_t i = 0; i < l.rope_dim; ++i) rope[i] = float_to_bf16(values[nq + i]);
+}
+
+// decode: one record -> `dim` fp32 values (exact: an FP8 value times its
+// power-of-two scale, or a bf16 value).
+inline void decode_token(const PagedCache& cache, const std::uint8_t* record, float* out) {
+  const CacheLayout& l = cache.layout;
+  if (l.dtype == CacheDType::bf16) {
+    const std::uint16_t* in = reinterpret_cast<const std::uint16_t*>(record);
+    for (std::int64_t i = 0; i < l.dim; ++i) out[i] = bf16_to_float(in[i]);
+    return;
+  }
+  const std::array<float, 256>& table = e4m3_table();
+  const std::int64_t nq = cache.quantised_dim(), groups = cache.scale_groups();
+  for (std::int64_t g = 0; g < groups; ++g) {
+    float scale;
+    std::memcpy(&scale, record + nq + 4 * g, 4);
+    const std::int64_t i0 = g * kCacheScaleGroup, i1 = std::min(nq, i0 + kCacheScaleGroup);
+    for (std::int64_t i = i0; i < i1; ++i) out[i] = table[record[i]] * scale;
+  }
+  const std::uint8_t* rope = record + nq + 4 * groups;
+  for (std::int64_t i = 0; i < l.rope_dim; ++i) {
+    std::uint16_t bits;
+    std::memcpy(&bits, rope + 2 * i, 2);
+    out[nq + i] = bf16_to_float(bits);
+  }
+}
+
+}  // namespace dsa::core
