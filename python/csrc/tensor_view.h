@@ -34,12 +34,24 @@ void set_sequence_params(Params& p, std::vector<std::int64_t> cu_seqlens_q,
   p.num_threads = num_threads;
 }
 
+// A paged cache's layout from the Python arguments every decode op takes.
+inline CacheLayout make_cache_layout(std::int64_t dim, std::int64_t rope_dim, const std::string& cache_dtype,
+                                     bool ring) {
+  CacheLayout l;
+  l.dtype = parse_cache_dtype(cache_dtype.c_str());
+  l.dim = dim;
+  l.rope_dim = rope_dim;
+  l.ring = ring;
+  return l;
+}
+
 // Registers one op family's functions; each lives in its own file.
 void register_core(nb::module_& m);
 void register_indexer(nb::module_& m);
 void register_kl_loss(nb::module_& m);
 void register_compressor(nb::module_& m);
 void register_openmp_runner(nb::module_& m);
+void register_paged_cache(nb::module_& m);
 void register_sparse_attention(nb::module_& m);
 
 }  // namespace dsa::python

@@ -9,6 +9,7 @@ from . import _C, lengths
 from ._buffers import buffer_pool_stats, empty_buffer_pool, set_buffer_pool_limit, set_workspace_cache_limit
 from .ops import *  # noqa: F401,F403
 from .ops import __all__ as _op_names
+from .paged_cache import cache_token_bytes, new_paged_cache
 
 __version__ = "0.1.0"
 
@@ -26,4 +27,5 @@ def backends() -> list[dict]:
 
 
 __all__ = list(_op_names) + ["backends", "lengths", "buffer_pool_stats", "empty_buffer_pool",
-                              "set_buffer_pool_limit", "set_workspace_cache_limit", "__version__"]
+                              "set_buffer_pool_limit", "set_workspace_cache_limit", "cache_token_bytes",
+                              "new_paged_cache", "__version__"]

@@ -1,0 +1,96 @@
+"""Paged caches for decode (docs/serving.md): a uint8 tensor
+``[num_blocks, block_size, token_bytes]`` per cached stream, a block table per
+request, and the ops that store tokens into it and read them back.
+
+A token record is ``dim`` bf16 values, or with ``dtype="fp8"`` the first
+``dim - rope_dim`` values in FP8 e4m3 with one fp32 power-of-two scale per 128
+of them, then the last ``rope_dim`` values in bf16 (DeepSeek-V3.2's latent:
+dim 576, rope_dim 64, 656 bytes; an indexer key: dim 128, 132 bytes).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _C
+from ._common import check_backend, check_int, check_tensor, num_threads
+
+CACHE_DTYPES = ("bf16", "fp8")
+DEFAULT_BLOCK_SIZE = 64
+
+
+def check_cache_dtype(dtype: str) -> str:
+    if dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype: expected 'bf16' or 'fp8', got {dtype!r}")
+    return dtype
+
+
+def cache_token_bytes(dim: int, rope_dim: int = 0, dtype: str = "bf16") -> int:
+    """Bytes of one token's record in a cache of this layout."""
+    check_cache_dtype(dtype)
+    return _C.cache_token_bytes(check_int(dim, "dim", 1), check_int(rope_dim, "rope_dim", 0), dtype)
+
+
+def new_paged_cache(num_blocks: int, dim: int, *, rope_dim: int = 0, dtype: str = "bf16",
+                    block_size: int = DEFAULT_BLOCK_SIZE, device=None) -> torch.Tensor:
+    """A zeroed cache of ``num_blocks`` blocks of ``block_size`` tokens."""
+    check_int(num_blocks, "num_blocks", 0)
+    check_int(block_size, "block_size", 1)
+    return torch.zeros(num_blocks, block_size, cache_token_bytes(dim, rope_dim, dtype), dtype=torch.uint8,
+                       device=device)
+
+
+@torch.library.custom_op("dsa::cache_write", mutates_args=("cache",))
+def _cache_write_op(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+                    values: torch.Tensor, rope_dim: int, cache_dtype: str, ring: bool, backend: str) -> None:
+    _C.cache_write(cache, block_table, positions, values, rope_dim, cache_dtype, ring, backend, num_threads())
+
+
+@_cache_write_op.register_fake
+def _(cache, block_table, positions, values, rope_dim, cache_dtype, ring, backend):
+    return None
+
+
+@torch.library.custom_op("dsa::cache_gather", mutates_args=())
+def _cache_gather_op(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor, dim: int,
+                     rope_dim: int, cache_dtype: str, ring: bool, out_dtype: torch.dtype,
+                     backend: str) -> torch.Tensor:
+    out = torch.empty(*positions.shape, dim, dtype=out_dtype, device=cache.device)
+    _C.cache_gather(cache, block_table, positions, out, rope_dim, cache_dtype, ring, backend, num_threads())
+    return out
+
+
+@_cache_gather_op.register_fake
+def _(cache, block_table, positions, dim, rope_dim, cache_dtype, ring, out_dtype, backend):
+    return cache.new_empty(*positions.shape, dim, dtype=out_dtype)
+
+
+def dsa_cache_write(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+                    values: torch.Tensor, *, rope_dim: int = 0, dtype: str = "bf16", ring: bool = False,
+                    backend: str = "auto") -> None:
+    """Stores ``values [B, n, dim]`` at ``positions [B, n]`` (absolute positions in
+    each request, ``-1`` skips a row) through ``block_table [B, width]`` (int32
+    block ids, ``-1`` for none), quantising where the cache is FP8. ``ring``: the
+    table's columns are reused cyclically (V4's window cache). In place."""
+    for value, name in ((cache, "cache"), (block_table, "block_table"), (positions, "positions"),
+                        (values, "values")):
+        check_tensor(value, name)
+    check_cache_dtype(dtype)
+    check_backend(backend)
+    _cache_write_op(cache, block_table, positions, values.detach(), check_int(rope_dim, "rope_dim", 0), dtype,
+                    bool(ring), backend)
+
+
+def dsa_cache_gather(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor, *, dim: int,
+                     rope_dim: int = 0, dtype: str = "bf16", ring: bool = False,
+                     out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+    """The tokens at ``positions [B, n]``, dequantised: ``[B, n, dim]`` in
+    ``out_dtype`` (float32 or bfloat16; exact for either cache dtype's values
+    in float32), zeros where a position is ``-1``."""
+    for value, name in ((cache, "cache"), (block_table, "block_table"), (positions, "positions")):
+        check_tensor(value, name)
+    check_cache_dtype(dtype)
+    check_backend(backend)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype}")
+    return _cache_gather_op(cache, block_table, positions, check_int(dim, "dim", 1),
+                            check_int(rope_dim, "rope_dim", 0), dtype, bool(ring), out_dtype, backend)
