@@ -58,13 +58,17 @@ std::vector<std::int64_t> read_lengths(const TensorView& lengths, const char* na
 // The token codec. encode: `values` (fp32, dim of them) -> one record.
 inline void encode_token(const PagedCache& cache, const float* values, std::uint8_t* record) {
   const CacheLayout& l = cache.layout;
+  // Records need not be aligned (an FP8 record of an odd width puts its
+  // scales and bf16 values at odd addresses): every multi-byte field moves by
+  // memcpy, which x86 compiles to a plain unaligned load or store.
   if (l.dtype == CacheDType::bf16) {
-    std::uint16_t* out = reinterpret_cast<std::uint16_t*>(record);
-    for (std::int64_t i = 0; i < l.dim; ++i) out[i] = float_to_bf16(values[i]);
+    for (std::int64_t i = 0; i < l.dim; ++i) {
+      const std::uint16_t bits = float_to_bf16(values[i]);
+      std::memcpy(record + 2 * i, &bits, 2);
+    }
     return;
   }
   const std::int64_t nq = cache.quantised_dim(), groups = cache.scale_groups();
-  float* scales = reinterpret_cast<float*>(record + nq);
   for (std::int64_t g = 0; g < groups; ++g) {
     const std::int64_t i0 = g * kCacheScaleGroup, i1 = std::min(nq, i0 + kCacheScaleGroup);
     float amax = 0.0f;
@@ -73,11 +77,14 @@ inline void encode_token(const PagedCache& cache, const float* values, std::uint
     for (std::int64_t i = i0; i < i1; ++i)
       if (std::isnan(values[i])) amax = values[i];
     const float scale = e4m3_group_scale(amax);
-    std::memcpy(scales + g, &scale, 4);
+    std::memcpy(record + nq + 4 * g, &scale, 4);
     for (std::int64_t i = i0; i < i1; ++i) record[i] = float_to_e4m3(values[i] / scale);
   }
-  std::uint16_t* rope = reinterpret_cast<std::uint16_t*>(record + nq + 4 * groups);
-  for (std::int64_t i = 0; i < l.rope_dim; ++i) rope[i] = float_to_bf16(values[nq + i]);
+  std::uint8_t* rope = record + nq + 4 * groups;
+  for (std::int64_t i = 0; i < l.rope_dim; ++i) {
+    const std::uint16_t bits = float_to_bf16(values[nq + i]);
+    std::memcpy(rope + 2 * i, &bits, 2);
+  }
 }
 
 // decode: one record -> `dim` fp32 values (exact: an FP8 value times its
@@ -85,8 +92,11 @@ inline void encode_token(const PagedCache& cache, const float* values, std::uint
 inline void decode_token(const PagedCache& cache, const std::uint8_t* record, float* out) {
   const CacheLayout& l = cache.layout;
   if (l.dtype == CacheDType::bf16) {
-    const std::uint16_t* in = reinterpret_cast<const std::uint16_t*>(record);
-    for (std::int64_t i = 0; i < l.dim; ++i) out[i] = bf16_to_float(in[i]);
+    for (std::int64_t i = 0; i < l.dim; ++i) {
+      std::uint16_t bits;
+      std::memcpy(&bits, record + 2 * i, 2);
+      out[i] = bf16_to_float(bits);
+    }
     return;
   }
   const std::array<float, 256>& table = e4m3_table();

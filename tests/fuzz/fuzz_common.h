@@ -223,6 +223,15 @@ class Arena {
     }
   }
 
+  // Fills a byte view (a paged cache) with random bytes: FP8 records with any
+  // codes, NaN codes and scales included.
+  void fill_bytes(const TensorView& v) {
+    const std::int64_t n = elements(v);
+    if (n <= 0 || !v.data || v.dtype != DType::u8) return;
+    auto* p = static_cast<std::uint8_t*>(v.data);
+    for (std::int64_t i = 0; i < n; ++i) p[i] = static_cast<std::uint8_t>(rng_.next());
+  }
+
   // Fills an int32 view with indices: mostly in [-2, bound + 1], sometimes anything.
   void fill_indices(const TensorView& v, std::int64_t bound, bool wild) {
     const std::int64_t n = elements(v);
@@ -296,6 +305,7 @@ class Arena {
       // out-of-range value would be the harness's own undefined behaviour.
       case DType::i32: static_cast<std::int32_t*>(v.data)[i] = static_cast<std::int32_t>(to_int(x, 2.0e9f)); break;
       case DType::i64: static_cast<std::int64_t*>(v.data)[i] = static_cast<std::int64_t>(to_int(x, 9.0e18f)); break;
+      case DType::u8: static_cast<std::uint8_t*>(v.data)[i] = static_cast<std::uint8_t>(to_int(x, 255.0f)); break;
     }
   }
 
