@@ -5,6 +5,7 @@
 // A cache is one byte tensor [num_blocks, block_size, token_bytes] (uint8),
 // whatever the storage dtype, so that FP8 values, their fp32 scales and the
 // bf16 RoPE part of a token sit in one record:
+//   f32:       dim fp32 values                                 4 * dim bytes
 //   bf16:      dim bf16 values                                 2 * dim bytes
 //   fp8_e4m3:  (dim - rope_dim) e4m3 values, then one fp32 scale per group of
 //              128 of them (the last group may be shorter), then rope_dim bf16
@@ -28,10 +29,13 @@
 
 namespace dsa {
 
-enum class CacheDType : int { bf16, fp8_e4m3 };
+// f32: exact storage, for fp32 models whose generation must equal the
+// unpatched model token for token (a bf16 cache rounds the latent).
+enum class CacheDType : int { bf16, fp8_e4m3, f32 };
 
 const char* cache_dtype_name(CacheDType dtype);
-// "bf16" | "fp8" (also "fp8_e4m3"); dsa::Error naming `cache_dtype` otherwise.
+// "fp32" | "bf16" | "fp8" (also "float32", "bfloat16", "fp8_e4m3"); dsa::Error
+// naming `cache_dtype` otherwise.
 CacheDType parse_cache_dtype(const char* name);
 
 // What one token of a cache holds. block_size comes from the cache tensor.

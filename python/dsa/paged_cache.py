@@ -2,7 +2,7 @@
 ``[num_blocks, block_size, token_bytes]`` per cached stream, a block table per
 request, and the ops that store tokens into it and read them back.
 
-A token record is ``dim`` bf16 values, or with ``dtype="fp8"`` the first
+A token record is ``dim`` fp32 or bf16 values, or with ``dtype="fp8"`` the first
 ``dim - rope_dim`` values in FP8 e4m3 with one fp32 power-of-two scale per 128
 of them, then the last ``rope_dim`` values in bf16 (DeepSeek-V3.2's latent:
 dim 576, rope_dim 64, 656 bytes; an indexer key: dim 128, 132 bytes).
@@ -14,13 +14,13 @@ import torch
 from . import _C
 from ._common import check_backend, check_int, check_tensor, num_threads
 
-CACHE_DTYPES = ("bf16", "fp8")
+CACHE_DTYPES = ("fp32", "bf16", "fp8")
 DEFAULT_BLOCK_SIZE = 64
 
 
 def check_cache_dtype(dtype: str) -> str:
     if dtype not in CACHE_DTYPES:
-        raise ValueError(f"cache_dtype: expected 'bf16' or 'fp8', got {dtype!r}")
+        raise ValueError(f"cache_dtype: expected 'fp32', 'bf16' or 'fp8', got {dtype!r}")
     return dtype
 
 

@@ -8,12 +8,20 @@
 
 namespace dsa {
 
-const char* cache_dtype_name(CacheDType dtype) { return dtype == CacheDType::bf16 ? "bf16" : "fp8_e4m3"; }
+const char* cache_dtype_name(CacheDType dtype) {
+  switch (dtype) {
+    case CacheDType::f32: return "fp32";
+    case CacheDType::bf16: return "bf16";
+    case CacheDType::fp8_e4m3: return "fp8_e4m3";
+  }
+  return "unknown";
+}
 
 CacheDType parse_cache_dtype(const char* name) {
+  if (std::strcmp(name, "fp32") == 0 || std::strcmp(name, "float32") == 0) return CacheDType::f32;
   if (std::strcmp(name, "bf16") == 0 || std::strcmp(name, "bfloat16") == 0) return CacheDType::bf16;
   if (std::strcmp(name, "fp8") == 0 || std::strcmp(name, "fp8_e4m3") == 0) return CacheDType::fp8_e4m3;
-  core::fail_argument("cache_dtype: expected 'bf16' or 'fp8', got '", name, "'");
+  core::fail_argument("cache_dtype: expected 'fp32', 'bf16' or 'fp8', got '", name, "'");
 }
 
 std::int64_t cache_token_bytes(const CacheLayout& l) {
@@ -24,7 +32,10 @@ std::int64_t cache_token_bytes(const CacheLayout& l) {
     core::fail_argument("dim: expected the values per cached token in [1, ", kMaxDim, "], got ", l.dim);
   if (l.rope_dim < 0 || l.rope_dim > l.dim)
     core::fail_argument("rope_dim: expected a value in [0, dim = ", l.dim, "], got ", l.rope_dim);
+  if (l.dtype == CacheDType::f32) return 4 * l.dim;
   if (l.dtype == CacheDType::bf16) return 2 * l.dim;
+  if (l.dtype != CacheDType::fp8_e4m3)
+    core::fail_argument("cache_dtype: expected fp32, bf16 or fp8_e4m3, got the value ", static_cast<int>(l.dtype));
   const std::int64_t nq = l.dim - l.rope_dim;
   return nq + 4 * ((nq + kCacheScaleGroup - 1) / kCacheScaleGroup) + 2 * l.rope_dim;
 }

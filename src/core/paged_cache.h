@@ -61,6 +61,10 @@ inline void encode_token(const PagedCache& cache, const float* values, std::uint
   // Records need not be aligned (an FP8 record of an odd width puts its
   // scales and bf16 values at odd addresses): every multi-byte field moves by
   // memcpy, which x86 compiles to a plain unaligned load or store.
+  if (l.dtype == CacheDType::f32) {
+    std::memcpy(record, values, 4 * l.dim);
+    return;
+  }
   if (l.dtype == CacheDType::bf16) {
     for (std::int64_t i = 0; i < l.dim; ++i) {
       const std::uint16_t bits = float_to_bf16(values[i]);
@@ -91,6 +95,10 @@ inline void encode_token(const PagedCache& cache, const float* values, std::uint
 // power-of-two scale, or a bf16 value).
 inline void decode_token(const PagedCache& cache, const std::uint8_t* record, float* out) {
   const CacheLayout& l = cache.layout;
+  if (l.dtype == CacheDType::f32) {
+    std::memcpy(out, record, 4 * l.dim);
+    return;
+  }
   if (l.dtype == CacheDType::bf16) {
     for (std::int64_t i = 0; i < l.dim; ++i) {
       std::uint16_t bits;

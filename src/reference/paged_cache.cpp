@@ -46,6 +46,10 @@ void cache_write(const CacheRowsProblem& p) {
     if (p.slots[r] < 0) continue;
     for (std::int64_t i = 0; i < l.dim; ++i) v[i] = core::load_float(p.values, p.dtype, p.offset(r) + i);
     std::uint8_t* rec = p.cache.token(p.slots[r]);
+    if (l.dtype == CacheDType::f32) {
+      for (std::int64_t i = 0; i < l.dim; ++i) std::memcpy(rec + 4 * i, &v[i], 4);
+      continue;
+    }
     if (l.dtype == CacheDType::bf16) {
       for (std::int64_t i = 0; i < l.dim; ++i) {
         const std::uint16_t bits = core::float_to_bf16(v[i]);
@@ -82,7 +86,9 @@ void cache_gather(const CacheRowsProblem& p) {
       if (p.slots[r] >= 0) {
         const std::uint8_t* rec = p.cache.token(p.slots[r]);
         std::uint16_t bits;
-        if (l.dtype == CacheDType::bf16) {
+        if (l.dtype == CacheDType::f32) {
+          std::memcpy(&v, rec + 4 * i, 4);
+        } else if (l.dtype == CacheDType::bf16) {
           std::memcpy(&bits, rec + 2 * i, 2);
           v = core::bf16_to_float(bits);
         } else if (i < nq) {

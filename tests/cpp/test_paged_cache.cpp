@@ -25,6 +25,7 @@ using dsa::CacheLayout;
 using dsa::DType;
 
 TEST(PagedCache, TokenBytesOfTheDeepSeekLayouts) {
+  EXPECT_EQ(dsa::cache_token_bytes({CacheDType::f32, 576, 64}), 2304);
   EXPECT_EQ(dsa::cache_token_bytes({CacheDType::bf16, 576, 64}), 1152);       // V3.2 latent
   EXPECT_EQ(dsa::cache_token_bytes({CacheDType::fp8_e4m3, 576, 64}), 656);    // FlashMLA's record
   EXPECT_EQ(dsa::cache_token_bytes({CacheDType::bf16, 128, 0}), 256);         // indexer key
@@ -151,6 +152,10 @@ void check_write_and_gather(CacheLayout layout, std::int64_t block_size, std::in
         ASSERT_EQ(y, 0.0f);
         continue;
       }
+      if (layout.dtype == CacheDType::f32) {
+        ASSERT_EQ(x, y) << r << " " << i;
+        continue;
+      }
       if (layout.dtype == CacheDType::bf16 || i >= nq) {
         ASSERT_LE(std::fabs(x - y), std::fabs(x) * 0x1p-8f) << r << " " << i;
         continue;
@@ -165,6 +170,7 @@ void check_write_and_gather(CacheLayout layout, std::int64_t block_size, std::in
 }
 
 TEST(PagedCache, WriteAndGatherMatchTheReference) {
+  check_write_and_gather({CacheDType::f32, 576, 64}, 64, 2, 30, 6);
   check_write_and_gather({CacheDType::bf16, 576, 64}, 64, 3, 70, 1);
   check_write_and_gather({CacheDType::fp8_e4m3, 576, 64}, 64, 3, 70, 2);
   check_write_and_gather({CacheDType::fp8_e4m3, 128, 0}, 16, 2, 40, 3);

@@ -18,8 +18,8 @@ struct CacheInput {
 // A cache of some DeepSeek layout (or any), random bytes, and a block table of
 // ids mostly in range. False: skip the input (too large).
 bool make_cache(Input& in, Arena& a, std::int64_t batch, CacheInput& c) {
-  c.layout.dtype = in.rare(16) ? static_cast<dsa::CacheDType>(in.range(0, 3))
-                               : in.pick<dsa::CacheDType>({dsa::CacheDType::bf16, dsa::CacheDType::fp8_e4m3});
+  c.layout.dtype = in.rare(16) ? static_cast<dsa::CacheDType>(in.range(0, 4))
+                               : in.pick<dsa::CacheDType>({dsa::CacheDType::bf16, dsa::CacheDType::fp8_e4m3, dsa::CacheDType::f32});
   const std::int64_t dim = in.pick<std::int64_t>({128, 576, 512, 8, 130});
   c.layout.dim = in.param(dim, 700);
   c.layout.rope_dim = in.param(dim == 576 || dim == 512 ? 64 : 0, 700);

@@ -12,7 +12,8 @@ from dsa.paged_cache import _cache_gather_op, _cache_write_op
 def layout_cases():
     # (dim, rope_dim, dtype): V3.2 latent, indexer key, V4 latent (448 quantised values:
     # a short last scale group), and a bf16 latent.
-    return [(576, 64, "fp8"), (128, 0, "fp8"), (512, 64, "fp8"), (576, 64, "bf16"), (128, 0, "bf16")]
+    return [(576, 64, "fp8"), (128, 0, "fp8"), (512, 64, "fp8"), (576, 64, "bf16"), (128, 0, "bf16"),
+            (576, 64, "fp32")]
 
 
 def shuffled_table(batch, width, num_blocks, seed):
@@ -30,6 +31,8 @@ def torch_oracle(values, rope_dim, dtype):
     """What a cache read gives back, written with torch's casts: bf16 rounding, or
     per group of 128 a power-of-two scale 2^ceil(log2(amax / 448)) and
     (x / scale).to(float8_e4m3fn)."""
+    if dtype == "fp32":
+        return values.clone()
     if dtype == "bf16":
         return values.to(torch.bfloat16).float()
     nq = values.shape[-1] - rope_dim
