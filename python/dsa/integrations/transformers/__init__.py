@@ -21,7 +21,7 @@ import torch
 
 from ._state import INDEXER_LOSSES, Options, PatchFallbackError, PatchState, env_value, options_from_env
 
-__all__ = ["patch", "unpatch", "is_patched", "cp_batch", "indexer_losses", "indexer_recall", "track_indexer_recall",
+__all__ = ["patch", "unpatch", "is_patched", "cp_batch", "DsaCache", "indexer_losses", "indexer_recall", "track_indexer_recall",
            "fallback_counts", "PatchFallbackError"]
 
 _STATE_ATTR = "_dsa_patch_state"
@@ -54,7 +54,8 @@ def _bind(module, fn, state, name):
 
 def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compressor: bool = True,
           indexer_loss: Optional[str] = None, loss_coefficient: float = 1.0, backend: str = "auto",
-          strict: bool = False, cp_group=None, grads_averaged_over_cp: bool = False) -> torch.nn.Module:
+          strict: bool = False, cp_group=None, grads_averaged_over_cp: bool = False,
+          cache_dtype: Optional[str] = None) -> torch.nn.Module:
     """Route a DeepSeek-V3.2 / V4 transformers model through dsa's ops (in place; returns it).
 
     - ``sas``: every layer's attention core runs in ``dsa_sparse_attention`` (V3.2 with
@@ -74,6 +75,9 @@ def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compress
       packed stream. Needs ``sas=True``, ``li=True`` and ``compressor=True``. Under CP a
       call dsa cannot run exactly raises :class:`PatchFallbackError` (there is no
       fallback: the model's own attention would see this rank's keys only).
+    - ``cache_dtype``: the storage of the :class:`DsaCache` that ``generate()`` creates for a
+      patched DeepSeek-V3.2 model (``"fp32"``, ``"bf16"``, ``"fp8"``; None: the model's
+      dtype). docs/serving.md, "Generation".
     - ``grads_averaged_over_cp``: the gradients will be *averaged* over the CP ranks (a
       DDP whose group includes CP); every loss share (``out.loss`` and the indexer KL) is
       then scaled by W. Default: the caller sums them.
@@ -82,7 +86,10 @@ def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compress
     comma list of ``sas``, ``li``, ``compressor``, ``loss=sparse``, ``loss=dense``, ``strict``.
     """
     opts = options_from_env(Options(bool(sas), bool(li), bool(compressor), indexer_loss, float(loss_coefficient),
-                                    backend, bool(strict)), env_value())
+                                    backend, bool(strict), cache_dtype), env_value())
+    from ...paged_cache import CACHE_DTYPES
+    if opts.cache_dtype is not None and opts.cache_dtype not in CACHE_DTYPES:
+        raise ValueError(f"cache_dtype: expected None or one of {CACHE_DTYPES}, got {opts.cache_dtype!r}")
     if opts.indexer_loss not in INDEXER_LOSSES:
         raise ValueError(f"indexer_loss: expected None, 'sparse' or 'dense', got {opts.indexer_loss!r}")
     if opts.indexer_loss is not None and not opts.sas:
@@ -134,6 +141,10 @@ def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compress
         # transformers then builds no dense mask: the layers read what it would build one from.
         from . import _mask
         _mask.install(model)
+    if hasattr(model, "_prepare_cache_for_generation"):
+        # generate() then caches in dsa's paged caches (DsaCache) where it can.
+        from ._cache import prepare_cache_for_generation
+        model._prepare_cache_for_generation = types.MethodType(prepare_cache_for_generation, model)
     setattr(model, _STATE_ATTR, state)
     return model
 
@@ -148,6 +159,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             module.__dict__.pop("forward", None)
             del module._dsa_state
             del module._dsa_name
+    model.__dict__.pop("_prepare_cache_for_generation", None)
     if _STATE_ATTR in model.__dict__:
         delattr(model, _STATE_ATTR)
     return model
@@ -215,3 +227,12 @@ def fallback_counts(model: torch.nn.Module) -> dict:
 
 def options(model: torch.nn.Module) -> Options:
     return _state(model).options
+
+
+def __getattr__(name):
+    # DsaCache subclasses transformers' Cache: imported on first use, so that importing
+    # this package does not import transformers.
+    if name == "DsaCache":
+        from ._cache import DsaCache
+        return DsaCache
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

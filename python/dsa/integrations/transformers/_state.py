@@ -24,6 +24,7 @@ class Options:
     loss_coefficient: float = 1.0
     backend: str = "auto"
     strict: bool = False
+    cache_dtype: Optional[str] = None  # DsaCache storage: None = the model's dtype
 
 
 def options_from_env(opts: Options, value: Optional[str]) -> Options:
@@ -34,8 +35,8 @@ def options_from_env(opts: Options, value: Optional[str]) -> Options:
         return opts
     tokens = [t.strip().lower() for t in value.split(",") if t.strip()]
     if tokens == ["off"] or tokens == ["0"] or tokens == ["none"]:
-        return Options(False, False, False, None, opts.loss_coefficient, opts.backend, opts.strict)
-    new = Options(False, False, False, None, opts.loss_coefficient, opts.backend, False)
+        return Options(False, False, False, None, opts.loss_coefficient, opts.backend, opts.strict, opts.cache_dtype)
+    new = Options(False, False, False, None, opts.loss_coefficient, opts.backend, False, opts.cache_dtype)
     for t in tokens:
         if t == "all":
             new.sas = new.li = new.compressor = True

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from . import _cp, _geometry, _loss, _ops
+from . import _cp, _geometry, _loss, _mask, _ops
+from ._cache import DsaCache
 from ._checks import call_reason, cache_layer_reason
-from ._mask import for_original, original_of, run_original
+from ._mask import DsaMask, for_original, original_of, run_original
+from ... import dsa_indexer, dsa_sparse_attention
 
 from transformers.cache_utils import DynamicIndexedLayer
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as M
@@ -64,8 +66,34 @@ def _select(ix, q, k, weights, ops):
     return ops.indexer(ops.geom.flat(q), k, ops.geom.flat(weights), topk=ix.index_topk, scale=ix.softmax_scale)
 
 
+def _projections(self, hidden_states, position_embeddings):
+    """The model's own projections, norms and RoPE, in its order (same bits as its forward):
+    q_resid, q_pass / q_rot [B, H, S, *], k_pass [B, 1, S, rank], k_rot [B, 1, S, rope]."""
+    batch, seq = hidden_states.shape[:2]
+    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
+    q_states = self.q_b_proj(q_resid).view(batch, seq, -1, self.qk_head_dim).transpose(1, 2)
+    q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
+    kv_pass, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    k_pass = self.kv_a_layernorm(kv_pass).view(batch, 1, seq, self.kv_lora_rank)
+    k_rot = k_rot.view(batch, 1, seq, self.qk_rope_head_dim)
+    cos, sin = position_embeddings
+    q_rot, k_rot = M.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    return q_resid, q_pass, q_rot, k_pass, k_rot
+
+
+def _absorbed_query(self, q_pass, q_rot):
+    """The query on the shared latent, [B, S, H, rank + rope] (W_UK absorbed), and W_UV."""
+    heads, nope, dv, rank = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+    w = self.kv_b_proj.weight.view(heads, nope + dv, rank)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]
+    return torch.cat([torch.einsum("bhsd,hdr->bshr", q_pass, w_uk), q_rot.transpose(1, 2)], dim=-1), w_uv
+
+
 def attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
                       position_ids=None, **kwargs):
+    if isinstance(past_key_values, DsaCache):
+        return _paged_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values, kwargs)
     st = self._dsa_state
     opts = st.options
     batch, seq = hidden_states.shape[:2]
@@ -95,23 +123,11 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
         ops = _ops.Local(geom, opts.backend)
     geom = ops.geom
 
-    # The model's own projections, norms and RoPE, in its order (same bits up to here).
-    q_resid = self.q_a_layernorm(self.q_a_proj(hidden_states))
-    q_states = self.q_b_proj(q_resid).view(batch, seq, -1, self.qk_head_dim).transpose(1, 2)
-    q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-    compressed_kv = self.kv_a_proj_with_mqa(hidden_states)
-    kv_pass, k_rot = torch.split(compressed_kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-    k_pass = self.kv_a_layernorm(kv_pass).view(batch, 1, seq, self.kv_lora_rank)
-    k_rot = k_rot.view(batch, 1, seq, self.qk_rope_head_dim)
-    cos, sin = position_embeddings
-    q_rot, k_rot = M.apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin)
+    q_resid, q_pass, q_rot, k_pass, k_rot = _projections(self, hidden_states, position_embeddings)
     if past_key_values is not None:
         k_pass, k_rot = past_key_values.update(k_pass, k_rot, self.layer_idx)
-
-    heads, nope, dv, rank = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
-    w = self.kv_b_proj.weight.view(heads, nope + dv, rank)
-    w_uk, w_uv = w[:, :nope], w[:, nope:]
-    query = torch.cat([torch.einsum("bhsd,hdr->bshr", q_pass, w_uk), q_rot.transpose(1, 2)], dim=-1)
+    heads, dv, rank = self.num_heads, self.v_head_dim, self.kv_lora_rank
+    query, w_uv = _absorbed_query(self, q_pass, q_rot)
     kv = torch.cat([k_pass[:, 0], k_rot[:, 0]], dim=-1)  # [B, Sk, rank + rope]: keys; values = first `rank`
 
     ix = self.indexer
@@ -156,6 +172,82 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
         out = _loss.attach(out, kl)
     out = torch.einsum("bshr,hvr->bshv", geom.unflat(out), w_uv)
     return self.o_proj(out.reshape(batch, seq, heads * dv)), None
+
+
+def _paged_reason(self, st, kwargs, attention_mask):
+    """Why a call on a DsaCache cannot run (it then raises: no fallback reads a paged cache)."""
+    opts = st.options
+    if not opts.li:
+        return "li=False (the model's own indexer would read a cache of its own)"
+    if opts.indexer_loss is not None and torch.is_grad_enabled():
+        return "an indexer loss (a DsaCache serves inference)"
+    reason = call_reason(self, kwargs) or _absorb_reason(self.kv_b_proj)
+    if reason is None and attention_mask is not None:
+        if not isinstance(attention_mask, DsaMask):
+            reason = "a 4-D attention mask"
+        else:
+            reason = _mask.function_reason(attention_mask, None)
+            shape = _mask.describe(attention_mask.kwargs.get("mask_function"))
+            if reason is None and shape is not None and shape[2]:
+                reason = "packed documents (position ids restarting in a row)"
+    if reason is None and any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        reason = "packed documents (cu_seq_lens)"
+    return reason
+
+
+def _paged_forward(self, hidden_states, position_embeddings, attention_mask, cache, kwargs):
+    """A call on a DsaCache: this call's valid rows (the 2-D padding mask's ones) are
+    appended to each request's paged latent and indexer-key streams at the request's own
+    positions, then attend to the request's cached rows. Rows of padding get zeros (the
+    model ignores them)."""
+    st = self._dsa_state
+    reason = _paged_reason(self, st, kwargs, attention_mask)
+    if reason is not None:
+        raise _cp.PatchFallbackError(f"dsa patch: a DsaCache call with {reason}: the model's own attention "
+                                     "cannot read dsa's paged cache (generate with use_cache=False, or pass a "
+                                     "transformers cache)")
+    batch, seq = hidden_states.shape[:2]
+    layer = cache.layers[self.layer_idx]
+    ix = self.indexer
+    q_resid, q_pass, q_rot, k_pass, k_rot = _projections(self, hidden_states, position_embeddings)
+    query, w_uv = _absorbed_query(self, q_pass, q_rot)
+    kv = torch.cat([k_pass[:, 0], k_rot[:, 0]], dim=-1)
+    iq, ik, iw = _index_tensors(ix, hidden_states, q_resid, position_embeddings, None, False, False)
+    if not layer.is_initialized:
+        layer.start(batch, kv.shape[-1], self.qk_rope_head_dim, ik.shape[-1], kv.dtype)
+
+    mask2d = attention_mask.attention_mask if isinstance(attention_mask, DsaMask) else None
+    valid = (mask2d[:, -seq:].to(torch.bool) if mask2d is not None
+             else torch.ones(batch, seq, dtype=torch.bool, device=hidden_states.device))
+    counts = valid.sum(1).tolist()
+    start = torch.tensor(layer.lengths, dtype=torch.int64).unsqueeze(1)
+    positions = torch.where(valid, start + valid.cumsum(1) - 1, torch.full_like(start, -1))
+    lengths = [n + c for n, c in zip(layer.lengths, counts)]
+    for stream, rows in ((layer.latent, kv), (layer.index_keys, ik)):
+        stream.reserve(lengths)
+        stream.write(positions, rows)
+    layer.lengths, layer.columns = lengths, layer.columns + seq
+
+    # Each request's cached rows, back to back; its valid queries are its last rows.
+    keys = layer.latent.gather(lengths, kv.dtype)
+    index_keys = layer.index_keys.gather(lengths, ik.dtype)
+    spans = dict(query_lengths=_ends(counts), key_lengths=_ends(lengths), layout="TND",
+                 backend=st.options.backend)
+    indices = dsa_indexer(iq[valid], index_keys, iw[valid], topk=ix.index_topk, scale=ix.softmax_scale, **spans)
+    out, _, _ = dsa_sparse_attention(query[valid], keys, indices, scale=self.scaling, d_v=self.kv_lora_rank,
+                                     **spans)
+    full = out.new_zeros(batch, seq, *out.shape[1:])
+    full[valid] = out
+    out = torch.einsum("bshr,hvr->bshv", full, w_uv)
+    return self.o_proj(out.reshape(batch, seq, self.num_heads * self.v_head_dim)), None
+
+
+def _ends(lengths):
+    ends, total = [], 0
+    for n in lengths:
+        total += n
+        ends.append(total)
+    return ends
 
 
 def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,

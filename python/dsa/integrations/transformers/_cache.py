@@ -1,0 +1,176 @@
+"""dsa's cache for transformers: a patched model's KV cache in dsa's paged caches.
+
+:class:`DsaCache` is a ``transformers.Cache`` whose layers hold ``dsa.paged_cache``
+streams instead of tensors grown by ``torch.cat``: for DeepSeek-V3.2, per layer, the
+absorbed-MLA latent (512 + 64 RoPE values per token) and the indexer keys (128), each
+request owning blocks through a block table. It tracks every request's own token
+count, so padded batches (left or right) cache only their real tokens, each at its
+true position: the patched attention compacts a call's valid rows, writes them with
+``dsa_cache_write`` and runs the ops on the request's cached rows (docs/serving.md,
+"Generation").
+
+``generate()`` on a patched model creates one by itself (``patch`` replaces the
+model's ``_prepare_cache_for_generation`` on the instance; ``unpatch`` restores it);
+a caller may pass one as ``past_key_values``. Only the patched attention reads or
+writes it: a layer call dsa cannot run raises instead of falling back (the model's
+own attention cannot read a paged cache). The storage dtype (``cache_dtype``) defaults
+to the model's dtype: fp32 for an fp32 model (exact, so greedy generation repeats the
+unpatched model's tokens), bf16 for a bf16 model; ``"fp8"`` stores FP8 e4m3.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ...paged_cache import (CACHE_DTYPES, DEFAULT_BLOCK_SIZE, dsa_cache_gather, dsa_cache_write,
+                            new_paged_cache)
+
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+class PagedStream:
+    """One paged cache with its block table: blocks are handed out as requests grow,
+    and the cache tensor grows (doubling) only when a generate() did not size it."""
+
+    def __init__(self, dim: int, rope_dim: int, cache_dtype: str, block_size: int, batch: int,
+                 capacity_tokens: int = 0):
+        self.dim, self.rope_dim, self.cache_dtype, self.block_size = dim, rope_dim, cache_dtype, block_size
+        blocks = batch * math.ceil(capacity_tokens / block_size)
+        self.cache = new_paged_cache(blocks, dim, rope_dim=rope_dim, dtype=cache_dtype, block_size=block_size)
+        self.table = torch.full((batch, 0), -1, dtype=torch.int32)
+        self.used_blocks = 0
+
+    def reserve(self, lengths: list) -> None:
+        """Blocks for the first ``lengths[b]`` tokens of every request."""
+        cols = max([math.ceil(n / self.block_size) for n in lengths] + [0])
+        if cols > self.table.shape[1]:
+            pad = torch.full((self.table.shape[0], cols - self.table.shape[1]), -1, dtype=torch.int32)
+            self.table = torch.cat([self.table, pad], dim=1)
+        missing = []
+        for b, n in enumerate(lengths):
+            for c in range(math.ceil(n / self.block_size)):
+                if self.table[b, c] < 0:
+                    missing.append((b, c))
+        if not missing:
+            return
+        need = self.used_blocks + len(missing)
+        if need > self.cache.shape[0]:
+            grown = new_paged_cache(max(need, 2 * self.cache.shape[0]), self.dim, rope_dim=self.rope_dim,
+                                    dtype=self.cache_dtype, block_size=self.block_size)
+            grown[: self.cache.shape[0]] = self.cache
+            self.cache = grown
+        for b, c in missing:
+            self.table[b, c] = self.used_blocks
+            self.used_blocks += 1
+
+    def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        dsa_cache_write(self.cache, self.table, positions, values, rope_dim=self.rope_dim, dtype=self.cache_dtype)
+
+    def gather(self, lengths: list, out_dtype: torch.dtype) -> torch.Tensor:
+        """The first ``lengths[b]`` tokens of every request, packed back to back ([sum, dim])."""
+        longest = max(lengths + [0])
+        pos = torch.arange(longest).unsqueeze(0).expand(len(lengths), -1).clone()
+        pos[pos >= torch.tensor(lengths).unsqueeze(1)] = -1
+        rows = dsa_cache_gather(self.cache, self.table, pos, dim=self.dim, rope_dim=self.rope_dim,
+                                dtype=self.cache_dtype, out_dtype=out_dtype)
+        return rows[pos >= 0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.used_blocks * self.cache.shape[1] * self.cache.shape[2]
+
+
+class DsaV32Layer(CacheLayerMixin):
+    """One DeepSeek-V3.2 layer: the latent KV and the indexer keys of every request."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: "DsaCache"):
+        super().__init__()
+        self.owner = owner
+        self.latent: Optional[PagedStream] = None
+        self.index_keys: Optional[PagedStream] = None
+        self.lengths: list = []   # real tokens cached per request
+        self.columns = 0          # padded width seen so far (what transformers counts)
+
+    def lazy_initialization(self, key_states=None, value_states=None) -> None:
+        pass
+
+    def start(self, batch: int, latent_dim: int, rope_dim: int, index_dim: int, dtype: torch.dtype) -> None:
+        o = self.owner
+        cache_dtype = o.cache_dtype or _DTYPE_NAMES.get(dtype, "fp32")
+        self.latent = PagedStream(latent_dim, rope_dim, cache_dtype, o.block_size, batch, o.capacity_tokens)
+        self.index_keys = PagedStream(index_dim, 0, cache_dtype, o.block_size, batch, o.capacity_tokens)
+        self.lengths = [0] * batch
+        self.is_initialized = True
+
+    def update(self, *args, **kwargs):
+        raise RuntimeError("DsaCache: only dsa's patched attention writes this cache (the model's own attention "
+                           "cannot read paged caches); the model is no longer patched, or this layer fell back")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.columns + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.columns
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.latent = self.index_keys = None
+        self.lengths, self.columns, self.is_initialized = [], 0, False
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("DsaCache does not reorder requests (beam search): generate() on a patched "
+                                  "model uses it for greedy and sampling, the default cache for beams")
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.latent is None else self.latent.nbytes + self.index_keys.nbytes
+
+
+class DsaCache(Cache):
+    """A patched DeepSeek model's cache in dsa's paged caches (see the module doc).
+
+    ``cache_dtype``: "fp32", "bf16" or "fp8"; None: the model's dtype. ``block_size``:
+    tokens per block. ``capacity_tokens``: tokens per request to allocate up front
+    (generate() passes its maximum length; 0 grows on demand)."""
+
+    def __init__(self, config, *, cache_dtype: Optional[str] = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 capacity_tokens: int = 0):
+        if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
+            raise ValueError(f"cache_dtype: expected one of {CACHE_DTYPES} or None, got {cache_dtype!r}")
+        if getattr(config, "model_type", None) != "deepseek_v32":
+            raise ValueError(f"DsaCache: DeepSeek-V3.2 models only so far, got model_type "
+                             f"{getattr(config, 'model_type', None)!r}")
+        self.cache_dtype, self.block_size, self.capacity_tokens = cache_dtype, int(block_size), int(capacity_tokens)
+        super().__init__(layers=[DsaV32Layer(self) for _ in range(config.num_hidden_layers)])
+
+    def bytes_per_token(self) -> float:
+        """Cache bytes per cached token, all layers (blocks partly filled included)."""
+        tokens = sum(self.layers[0].lengths) if self.layers and self.layers[0].lengths else 0
+        return sum(layer.nbytes for layer in self.layers) / max(tokens, 1)
+
+
+def prepare_cache_for_generation(model, generation_config, model_kwargs, generation_mode, batch_size,
+                                 max_cache_length):
+    """generate()'s cache set-up on a patched V3.2 model (bound to the instance by patch):
+    a DsaCache sized for ``max_cache_length`` tokens per request, where generate() would
+    build its default dynamic cache and the patch runs every layer call. Otherwise
+    (the caller's own cache, use_cache=False, a cache_implementation, beam search,
+    output_attentions) the model's own set-up, unchanged."""
+    opts = model._dsa_patch_state.options
+    default = (model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False
+               or generation_config.cache_implementation is not None
+               or max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1) > 1
+               or generation_config.output_attentions)
+    if default or not (opts.sas and opts.li) or getattr(model.config, "model_type", None) != "deepseek_v32":
+        return type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, generation_mode,
+                                                         batch_size, max_cache_length)
+    model_kwargs["past_key_values"] = DsaCache(model.config.get_text_config(decoder=True),
+                                               cache_dtype=opts.cache_dtype, capacity_tokens=max_cache_length)
