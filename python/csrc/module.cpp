@@ -86,5 +86,6 @@ NB_MODULE(_C, m) {
   dsa::python::register_compressor(m);
   dsa::python::register_openmp_runner(m);
   dsa::python::register_paged_cache(m);
+  dsa::python::register_decode(m);
   dsa::python::register_sparse_attention(m);
 }

@@ -52,6 +52,7 @@ void register_kl_loss(nb::module_& m);
 void register_compressor(nb::module_& m);
 void register_openmp_runner(nb::module_& m);
 void register_paged_cache(nb::module_& m);
+void register_decode(nb::module_& m);
 void register_sparse_attention(nb::module_& m);
 
 }  // namespace dsa::python

@@ -25,11 +25,12 @@ struct PagedCache {
   std::uint8_t* token(std::int64_t slot) const { return data + slot * token_bytes; }
 };
 
-// A request's block table row. Entries were checked to lie in [-1, num_blocks).
+// A request's block table row. An entry is read only after require_covered
+// checked it lies in [0, num_blocks).
 struct BlockTable {
   const std::int32_t* data = nullptr;
   std::int64_t batch = 0, width = 0, row_stride = 0, col_stride = 0;
-  std::int64_t block_size = 0;
+  std::int64_t block_size = 0, num_blocks = 0;
   bool ring = false;
 
   std::int64_t block(std::int64_t b, std::int64_t column) const {

@@ -19,6 +19,9 @@ const OpTable& op_table() {
       .compressor_bwd = {"compressor_bwd", reference::compressor_bwd, cpu::compressor_bwd},
       .cache_write = {"cache_write", reference::cache_write, cpu::cache_write},
       .cache_gather = {"cache_gather", reference::cache_gather, cpu::cache_gather},
+      .sparse_attention_decode = {"sparse_attention_decode", reference::sparse_attention_decode,
+                                  cpu::sparse_attention_decode},
+      .indexer_decode = {"indexer_decode", reference::indexer_decode, cpu::indexer_decode},
   };
   return table;
 }

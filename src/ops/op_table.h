@@ -11,9 +11,11 @@
 #include "dsa/backend.h"
 #include "ops/compressor.h"
 #include "ops/indexer.h"
+#include "ops/indexer_decode.h"
 #include "ops/kl_loss.h"
 #include "ops/paged_cache.h"
 #include "ops/sparse_attention.h"
+#include "ops/sparse_attention_decode.h"
 
 namespace dsa::ops {
 
@@ -47,6 +49,8 @@ struct OpTable {
   OpEntry<DenseKlProblem> dense_indexer_kl_loss_fwd, dense_indexer_kl_loss_bwd;
   OpEntry<CompressorProblem> compressor_fwd, compressor_bwd;
   OpEntry<CacheRowsProblem> cache_write, cache_gather;
+  OpEntry<SparseAttentionDecodeProblem> sparse_attention_decode;
+  OpEntry<IndexerDecodeProblem> indexer_decode;
 
   // Calls f on every entry (a new row is added here too).
   template <class F>
@@ -55,6 +59,7 @@ struct OpTable {
     f(dense_indexer_lse), f(dense_indexer_kl_loss_fwd), f(dense_indexer_kl_loss_bwd);
     f(compressor_fwd), f(compressor_bwd);
     f(cache_write), f(cache_gather);
+    f(sparse_attention_decode), f(indexer_decode);
   }
 };
 

@@ -34,7 +34,9 @@ CacheRowsProblem rows_problem(const TensorView& cache, const TensorView& block_t
   const BlockTable table = validate_block_table(block_table, batch, p.cache, "block_table");
 
   p.slots.assign(batch * p.n, -1);
-  for (std::int64_t b = 0; b < batch; ++b)
+  // No rows, no work: a [2^40, 0, dim] view is legal and costs nothing, and
+  // looping over its batch dim alone was fuzz_decode's timeout (be8973ca).
+  for (std::int64_t b = 0; p.n > 0 && b < batch; ++b)
     for (std::int64_t i = 0; i < p.n; ++i) {
       const std::int64_t at = b * positions.stride(0) + i * positions.stride(1);
       const std::int64_t pos = positions.dtype == DType::i32 ? positions.ptr<const std::int32_t>()[at]

@@ -5,25 +5,9 @@
 
 #include "core/numeric.h"
 #include "ops/indexer.h"
+#include "reference/ranking.h"
 
 namespace dsa::reference {
-
-namespace {
-
-struct Candidate {
-  float score;
-  std::int64_t position;
-};
-
-// Larger score first; NaN below every number; equal scores: smaller position first.
-bool ranks_before(const Candidate& a, const Candidate& b) {
-  const bool a_nan = std::isnan(a.score), b_nan = std::isnan(b.score);
-  if (a_nan != b_nan) return b_nan;
-  if (!a_nan && a.score != b.score) return a.score > b.score;
-  return a.position < b.position;
-}
-
-}  // namespace
 
 void indexer_topk(const IndexerProblem& p) {
   using core::load_float;
@@ -52,10 +36,7 @@ void indexer_topk(const IndexerProblem& p) {
         }
         candidates.push_back({static_cast<float>(p.scale * score), s});
       }
-      const std::int64_t keep = std::min<std::int64_t>(p.topk, candidates.size());
-      std::stable_sort(candidates.begin(), candidates.end(), ranks_before);
-      std::sort(candidates.begin(), candidates.begin() + keep,
-                [](const Candidate& a, const Candidate& b) { return a.position < b.position; });
+      const std::int64_t keep = select_topk(candidates, p.topk);
       for (std::int64_t k = 0; k < keep; ++k) {
         p.indices[row * p.topk + k] = static_cast<std::int32_t>(candidates[k].position);
         if (p.scores) p.scores[row * p.topk + k] = candidates[k].score;

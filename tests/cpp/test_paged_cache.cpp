@@ -237,7 +237,8 @@ TEST(PagedCache, BadInputNamesTheArgument) {
   expect_argument_error([&] { write(f.cache_view(), f.table_view(), {0, 1, -2, 0, 1, 2}); }, "positions");
   expect_argument_error([&] { write(f.cache_view(), f.table_view(), {0, 1, 1, 0, 1, 2}); }, "same cache slot");
   f.table[1] = static_cast<std::int32_t>(f.blocks);  // outside the cache
-  expect_argument_error([&] { write(f.cache_view(), f.table_view(), pos); }, "block_table[0, 1]");
+  write(f.cache_view(), f.table_view(), pos);          // column 1 is not read
+  expect_argument_error([&] { write(f.cache_view(), f.table_view(), {0, 1, 5, 0, 1, 2}); }, "block_table[0, 1]");
   f.table[1] = -1;
   expect_argument_error([&] { write(f.cache_view(), f.table_view(), {0, 1, 5, 0, 1, 2}); }, "no block");
   write(f.cache_view(), f.table_view(), pos);  // column 1 is not needed
@@ -249,6 +250,48 @@ TEST(PagedCache, BadInputNamesTheArgument) {
   expect_argument_error([&] { write(f.cache_view(), f.table_view(), pos); }, "cache");
   EXPECT_THROW(dsa::parse_cache_dtype("int4"), dsa::Error);
   EXPECT_EQ(dsa::parse_cache_dtype("fp8"), CacheDType::fp8_e4m3);
+}
+
+// fuzz_decode's timeout (tests/fuzz/corpus/decode/timeout-be8973ca): rows
+// [2^40, 0, dim], positions [2^40, 0] and a [2^40, 0] block table are legal
+// empty views; validation looped over their 2^40 requests. It now reads only
+// what the positions reach: such a call returns at once, a table view of 2^40
+// columns (stride 0) costs nothing, and a bad id in a column nobody reads is
+// no error.
+TEST(PagedCache, ValidationReadsOnlyTheColumnsACallTouches) {
+  CacheLayout layout{CacheDType::bf16, 8, 0};
+  Fixture f(layout, 4, 1, 1, 0);
+  {
+    const std::int64_t huge = std::int64_t{1} << 40;
+    dsa::CacheWriteParams empty_params;
+    empty_params.layout = layout;
+    float none = 0.0f;
+    std::int32_t no_id = 0;
+    dsa::cache_write(f.cache_view(), dsa::make_view(&no_id, DType::i32, {huge, 0}),
+                     dsa::make_view(&no_id, DType::i32, {huge, 0}), dsa::make_view(&none, DType::f32, {huge, 0, 8}),
+                     empty_params, Backend::cpu);
+  }
+  std::vector<float> v(2 * 8, 1.0f);
+  std::vector<std::int32_t> pos = {0, 3};
+  dsa::CacheWriteParams params;
+  params.layout = layout;
+  dsa::TensorView wide = dsa::make_view(f.table.data(), DType::i32, {1, 1});
+  wide.shape[1] = std::int64_t{1} << 40;
+  wide.strides[1] = 0;
+  dsa::cache_write(f.cache_view(), wide, dsa::make_view(pos.data(), DType::i32, {1, 2}),
+                   dsa::make_view(v.data(), DType::f32, {1, 2, 8}), params, Backend::cpu);
+  std::vector<std::int32_t> table = {f.table[0], 1 << 30};  // column 1: outside the cache, never read
+  dsa::cache_write(f.cache_view(), dsa::make_view(table.data(), DType::i32, {1, 2}),
+                   dsa::make_view(pos.data(), DType::i32, {1, 2}), dsa::make_view(v.data(), DType::f32, {1, 2, 8}),
+                   params, Backend::cpu);
+  pos[1] = 4;  // now column 1 is read
+  expect_argument_error(
+      [&] {
+        dsa::cache_write(f.cache_view(), dsa::make_view(table.data(), DType::i32, {1, 2}),
+                         dsa::make_view(pos.data(), DType::i32, {1, 2}),
+                         dsa::make_view(v.data(), DType::f32, {1, 2, 8}), params, Backend::cpu);
+      },
+      "block_table[0, 1]");
 }
 
 }  // namespace

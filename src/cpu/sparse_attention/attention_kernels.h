@@ -37,6 +37,9 @@ struct Shape {
   std::int64_t heads, dim, rope_dim, d_v;
   float scale;
   std::int64_t owner_rows = kMinOwnerBlock;  // rows of an owned dkv block: a multiple of 64, <= kMaxOwnerBlock
+  // forward_row writes its output in fp32 whatever `dtype` (the decode op's
+  // partial outputs over pieces of a row's keys, merged before one rounding).
+  bool out_fp32 = false;
   std::int64_t qk_dim() const { return dim + rope_dim; }
 };
 
@@ -160,6 +163,10 @@ const AttentionKernel& avx512_bf16_kernel();
 // The fp32 FMA kernels with the forward's logits on AVX-512-BF16 dot products
 // (bf16 inputs): the bf16 forward of avx512_bf16_kernel().
 const AttentionKernel& avx512_bf16_forward_kernel();
+
+// The forward kernel the fused backend picks for inputs of this dtype (the
+// prefill forward's and the decode op's choice, cpu/select.h).
+const AttentionKernel& pick_forward_kernel(DType dtype);
 
 // Tests only: at the avx512_bf16 level the bf16 forward runs avx512_bf16_kernel()'s
 // own, the AMX forward's algorithm, which otherwise only AMX CPUs run.

@@ -314,6 +314,7 @@ std::int64_t backward_chunk_rows(std::size_t packed_row_bytes) {
 }  // namespace
 
 namespace attention_kernels {
+const AttentionKernel& pick_forward_kernel(DType dtype) { return pick_kernel(dtype, Pass::forward); }
 void use_pair_forward_for_testing(bool on) { pair_forward_for_testing().store(on); }
 void limit_backward_chunk_rows_for_testing(std::int64_t rows) { backward_chunk_limit_for_testing().store(rows); }
 }  // namespace attention_kernels

@@ -1,0 +1,111 @@
+"""Decode operators over the paged caches (docs/serving.md): the lightning
+indexer's top-k and the sparse attention for the newest ``next_n`` rows of each
+request, reading the cached keys in place through the block tables (nothing
+gathered, nothing proportional to the context allocated).
+
+``context_lens[b]`` counts request b's tokens, the new rows included: row j of
+``next_n`` sits at position ``context_lens[b] - next_n + j``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _C
+from ._common import check_backend, check_int, check_tensor, num_threads
+from .paged_cache import check_cache_dtype
+
+
+@torch.library.custom_op("dsa::indexer_decode", mutates_args=())
+def _indexer_decode_op(index_query: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
+                       block_table: torch.Tensor, context_lens: torch.Tensor, topk: int, scale: float,
+                       cmp_ratio: int, cache_dtype: str, backend: str) -> torch.Tensor:
+    indices = torch.empty(*index_query.shape[:2], topk, dtype=torch.int32, device=index_query.device)
+    _C.indexer_decode(index_query, weights, key_cache, block_table, context_lens, indices, topk, scale, cmp_ratio,
+                      cache_dtype, backend, num_threads())
+    return indices
+
+
+@_indexer_decode_op.register_fake
+def _(index_query, weights, key_cache, block_table, context_lens, topk, scale, cmp_ratio, cache_dtype, backend):
+    return index_query.new_empty(*index_query.shape[:2], topk, dtype=torch.int32)
+
+
+def dsa_indexer_decode(index_query: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
+                       block_table: torch.Tensor, context_lens: torch.Tensor, *, topk: int, scale: float = 1.0,
+                       cmp_ratio: int = 1, cache_dtype: str = "bf16", backend: str = "auto") -> torch.Tensor:
+    """Top-``topk`` key positions ``[B, next_n, topk]`` (int32, ascending, then -1)
+    for index queries ``[B, next_n, Hi, Di]`` with head weights ``[B, next_n, Hi]``
+    over the index keys of ``key_cache`` (a paged cache of ``Di`` values per key,
+    ``cache_dtype`` "bf16", "fp8" or "fp32"), as ``dsa_indexer`` selects on the
+    gathered keys. ``cmp_ratio > 1``: the cache holds compressed keys (one per
+    ``cmp_ratio`` tokens, V4's CSA), and a row sees those completed before it."""
+    for value, name in ((index_query, "index_query"), (weights, "weights"), (key_cache, "key_cache"),
+                        (block_table, "block_table"), (context_lens, "context_lens")):
+        check_tensor(value, name)
+    check_cache_dtype(cache_dtype)
+    check_backend(backend)
+    return _indexer_decode_op(index_query, weights, key_cache, block_table, context_lens,
+                              check_int(topk, "topk", 1), float(scale), check_int(cmp_ratio, "cmp_ratio", 1),
+                              cache_dtype, backend)
+
+
+@torch.library.custom_op("dsa::sparse_attention_decode", mutates_args=())
+def _sparse_attention_decode_op(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                context_lens: torch.Tensor, indices: Optional[torch.Tensor],
+                                topk_lens: Optional[torch.Tensor], cmp_cache: Optional[torch.Tensor],
+                                cmp_block_table: Optional[torch.Tensor], cmp_indices: Optional[torch.Tensor],
+                                sinks: Optional[torch.Tensor], scale: float, d_v: int, window: int, cmp_ratio: int,
+                                rope_dim: int, cache_dtype: str, ring: bool, cmp_cache_dtype: str,
+                                backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    B, n, H, D = query.shape
+    out = torch.empty(B, n, H, d_v or D, dtype=query.dtype, device=query.device)
+    lse = torch.empty(B, n, H, dtype=torch.float32, device=query.device)
+    _C.sparse_attention_decode(query, kv_cache, block_table, context_lens, indices, topk_lens, cmp_cache,
+                               cmp_block_table, cmp_indices, sinks, out, lse, scale, d_v, window, cmp_ratio,
+                               rope_dim, cache_dtype, ring, cmp_cache_dtype, backend, num_threads())
+    return out, lse
+
+
+@_sparse_attention_decode_op.register_fake
+def _(query, kv_cache, block_table, context_lens, indices, topk_lens, cmp_cache, cmp_block_table, cmp_indices,
+      sinks, scale, d_v, window, cmp_ratio, rope_dim, cache_dtype, ring, cmp_cache_dtype, backend):
+    B, n, H, D = query.shape
+    return query.new_empty(B, n, H, d_v or D), query.new_empty(B, n, H, dtype=torch.float32)
+
+
+def dsa_sparse_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                                context_lens: torch.Tensor, *, scale: float, d_v: int = 0,
+                                indices: Optional[torch.Tensor] = None, topk_lens: Optional[torch.Tensor] = None,
+                                window: int = 0, rope_dim: int = 0, cache_dtype: str = "bf16", ring: bool = False,
+                                cmp_cache: Optional[torch.Tensor] = None,
+                                cmp_block_table: Optional[torch.Tensor] = None,
+                                cmp_indices: Optional[torch.Tensor] = None, cmp_ratio: int = 1,
+                                cmp_cache_dtype: Optional[str] = None, sinks: Optional[torch.Tensor] = None,
+                                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse attention of ``query [B, next_n, H, D]`` (one shared KV head: V3.2's
+    absorbed MLA, D = 576, d_v = 512) over the cached tokens of ``kv_cache``:
+    ``indices [B, next_n, K]`` (positions, e.g. ``dsa_indexer_decode``'s; -1,
+    entries at or past ``topk_lens[b]`` and positions after the row skipped) or,
+    without them, the last ``window`` tokens (0: all). DeepSeek-V4: ``cmp_cache``
+    of compressed entries (``cmp_indices`` positions in it, or every visible one)
+    and per-head ``sinks``. Returns ``out [B, next_n, H, d_v]`` (query's dtype)
+    and ``lse [B, next_n, H]`` (fp32, without the sink; -inf for no keys)."""
+    for value, name in ((query, "query"), (kv_cache, "kv_cache"), (block_table, "block_table"),
+                        (context_lens, "context_lens")):
+        check_tensor(value, name)
+    for value, name in ((indices, "indices"), (topk_lens, "topk_lens"), (cmp_cache, "cmp_cache"),
+                        (cmp_block_table, "cmp_block_table"), (cmp_indices, "cmp_indices"), (sinks, "sinks")):
+        if value is not None:
+            check_tensor(value, name)
+    if query.dim() != 4:
+        raise ValueError(f"query: expected [B, next_n, H, D], got shape {tuple(query.shape)}")
+    check_cache_dtype(cache_dtype)
+    cmp_cache_dtype = check_cache_dtype(cmp_cache_dtype or cache_dtype)
+    check_backend(backend)
+    return _sparse_attention_decode_op(query, kv_cache, block_table, context_lens, indices, topk_lens, cmp_cache,
+                                       cmp_block_table, cmp_indices, sinks, float(scale), check_int(d_v, "d_v", 0),
+                                       check_int(window, "window", 0), check_int(cmp_ratio, "cmp_ratio", 1),
+                                       check_int(rope_dim, "rope_dim", 0), cache_dtype, bool(ring),
+                                       cmp_cache_dtype, backend)

@@ -1,0 +1,268 @@
+// Fused CPU sparse decode attention: the prefill forward's row kernels
+// (attention_kernels.h, picked per ISA as the prefill forward picks them) run
+// on key records read in place from the paged caches.
+//
+// Keys: a bf16 or fp32 record is the kernel's row as it is (a pointer into the
+// cache, nothing copied); an FP8 record, or a storage dtype other than the
+// kernel's, is dequantised once into a per-thread buffer and serves every head.
+// The kernel dtype is bf16 for bf16 queries over bf16 or FP8 caches (FP8
+// codes times power-of-two scales are bf16 values exactly), fp32 otherwise.
+//
+// Splitting: a row's attended keys are cut into pieces (at most kMaxPiece, so
+// the dequantised buffer is bounded) and the pieces into at most `groups`
+// consecutive groups, one task each, so that a batch of one request keeps
+// every core busy. Pieces and groups follow from the problem alone, and the
+// partial softmaxes (fp32) merge in piece order: the bits never depend on the
+// thread count. A row of one piece whose kernel dtype is the output's is the
+// prefill forward's call exactly, written in place.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/memory.h"
+#include "core/numeric.h"
+#include "core/thread_pool.h"
+#include "cpu/sparse_attention/attention_kernels.h"
+#include "ops/sparse_attention_decode.h"
+
+namespace dsa::cpu {
+namespace {
+
+using namespace attention_kernels;
+
+constexpr std::int64_t kTargetTasks = 32;  // what a call's splits aim for (more than any core count here)
+constexpr std::int64_t kMaxGroups = 16;
+constexpr std::int64_t kMinPiece = 128, kMaxPiece = 1024;
+
+struct RowSplit {
+  std::int64_t keys = 0, piece = 1, pieces = 1, groups = 1;
+  // Pieces [first, end) of group g.
+  std::int64_t first(std::int64_t g) const { return pieces > groups ? g * pieces / groups : g; }
+  std::int64_t end(std::int64_t g) const { return pieces > groups ? (g + 1) * pieces / groups : g + 1; }
+};
+
+RowSplit split_row(std::int64_t keys, std::int64_t max_groups) {
+  RowSplit r;
+  r.keys = keys;
+  const std::int64_t even = (keys + max_groups - 1) / max_groups;
+  r.piece = std::clamp<std::int64_t>((even + 31) / 32 * 32, kMinPiece, kMaxPiece);
+  r.pieces = std::max<std::int64_t>(1, (keys + r.piece - 1) / r.piece);
+  r.groups = std::min(max_groups, r.pieces);
+  return r;
+}
+
+// A softmax over some keys, per head: max logit m, sum of exp(l - m) s, and
+// the output normalised by s. Empty: m = -inf, s = 0; keys without a number
+// (NaN logits): s = NaN, which every merge keeps.
+struct Partial {
+  float* o;  // [heads][d_v]
+  float* m;  // [heads]
+  float* s;  // [heads]
+};
+
+void clear(const Partial& a, std::int64_t H, std::int64_t dv) {
+  std::fill(a.o, a.o + H * dv, 0.0f);
+  std::fill(a.m, a.m + H, core::kNegInf);
+  std::fill(a.s, a.s + H, 0.0f);
+}
+
+// a <- a merged with b (b's keys after a's).
+void merge(const Partial& a, const Partial& b, std::int64_t H, std::int64_t dv) {
+  for (std::int64_t h = 0; h < H; ++h) {
+    float* ao = a.o + h * dv;
+    const float* bo = b.o + h * dv;
+    if (std::isnan(a.s[h])) continue;
+    if (std::isnan(b.s[h])) {
+      a.s[h] = b.s[h];
+      continue;
+    }
+    if (b.m[h] == core::kNegInf) continue;  // b empty
+    if (a.m[h] == core::kNegInf) {          // a empty
+      std::memcpy(ao, bo, dv * sizeof(float));
+      a.m[h] = b.m[h], a.s[h] = b.s[h];
+      continue;
+    }
+    const float m = std::max(a.m[h], b.m[h]);
+    const float wa = a.s[h] * std::exp(a.m[h] - m), wb = b.s[h] * std::exp(b.m[h] - m);
+    const float s = wa + wb, fa = wa / s, fb = wb / s;
+    for (std::int64_t d = 0; d < dv; ++d) ao[d] = ao[d] * fa + bo[d] * fb;
+    a.m[h] = m, a.s[h] = s;
+  }
+}
+
+// The row's result from its merged partial: the sink joins the denominator.
+void finish(const SparseAttentionDecodeProblem& p, const Partial& a, std::int64_t row) {
+  const std::int64_t H = p.heads, dv = p.d_v;
+  for (std::int64_t h = 0; h < H; ++h) {
+    const float m = a.m[h], s = a.s[h];
+    float f = 1.0f, lse = m + std::log(s);
+    if (std::isnan(s)) {
+      f = s;
+    } else if (m == core::kNegInf) {
+      f = 0.0f, lse = core::kNegInf;  // no keys: zeros
+    } else if (p.sinks && p.sinks[h] != core::kNegInf) {
+      const float top = std::max(m, p.sinks[h]);  // a large sink cannot overflow
+      const float scaled = s * std::exp(m - top);
+      f = scaled / (scaled + std::exp(p.sinks[h] - top));
+    }
+    const std::int64_t o0 = (row * H + h) * dv;
+    for (std::int64_t d = 0; d < dv; ++d) core::store_float(p.out, p.dtype, o0 + d, a.o[h * dv + d] * f);
+    p.lse[row * H + h] = lse;
+  }
+}
+
+struct Task {
+  std::int64_t row, group;
+};
+
+struct ThreadScratch {
+  core::ScratchVector<std::uint8_t> kernel;  // dsa's allocator: a failure names its size
+  std::vector<const std::uint8_t*> records;  // the row's attended records, in order
+  std::vector<const char*> main;             // one piece's key rows as the kernel reads them
+  core::ScratchVector<std::uint8_t> decoded; // [kMaxPiece][dim] in the kernel dtype
+  std::vector<float> query, token, piece_o, piece_m, piece_s;
+  void* aligned() {
+    return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(kernel.data()) + 63) & ~std::uintptr_t(63));
+  }
+};
+
+}  // namespace
+
+void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
+  const std::int64_t H = p.heads, D = p.dim, dv = p.d_v, rows = p.rows();
+  if (rows == 0) return;
+  auto storage_dtype = [](const core::PagedCache& c) {
+    return c.layout.dtype == CacheDType::f32 ? DType::f32 : DType::bf16;  // FP8 -> bf16 exactly
+  };
+  const bool bf16_storage =
+      storage_dtype(p.kv) == DType::bf16 && (!p.has_cmp || storage_dtype(p.cmp) == DType::bf16);
+  const DType kdt = p.dtype == DType::bf16 && bf16_storage ? DType::bf16 : DType::f32;
+  const std::size_t kes = dtype_size(kdt);
+  // In place: the record is the kernel's row (bf16 record for bf16, fp32 for fp32).
+  // (A cache tensor at an address its elements cannot sit at is copied: the
+  // kernels load bf16 and fp32 elements as such.)
+  auto in_place = [&](const core::PagedCache& c) {
+    return ((kdt == DType::bf16 && c.layout.dtype == CacheDType::bf16) ||
+            (kdt == DType::f32 && c.layout.dtype == CacheDType::f32)) &&
+           reinterpret_cast<std::uintptr_t>(c.data) % kes == 0;
+  };
+  const bool kv_in_place = in_place(p.kv), cmp_in_place = !p.has_cmp || in_place(p.cmp);
+  const AttentionKernel& kernel = pick_forward_kernel(kdt);
+  Shape shape{kdt, H, D, 0, dv, p.scale};
+  Shape partial_shape = shape;
+  partial_shape.out_fp32 = true;
+
+  // The split of every row, and its tasks.
+  const std::int64_t max_groups = std::clamp<std::int64_t>((kTargetTasks + rows - 1) / rows, 1, kMaxGroups);
+  std::vector<RowSplit> splits(rows);
+  std::vector<std::int64_t> first_task(rows + 1, 0);
+  std::vector<Task> tasks;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::int64_t n = 0;
+    p.for_each_attended(r / p.next_n, r % p.next_n, [&](bool, std::int64_t) { ++n; });
+    splits[r] = split_row(n, max_groups);
+    first_task[r] = static_cast<std::int64_t>(tasks.size());
+    for (std::int64_t g = 0; g < splits[r].groups; ++g) tasks.push_back({r, g});
+  }
+  first_task[rows] = static_cast<std::int64_t>(tasks.size());
+  // A row is written in place by its one task when it is one piece in the output dtype.
+  auto direct = [&](std::int64_t r) { return splits[r].pieces == 1 && kdt == p.dtype; };
+
+  // Merged partial of every task that is not direct: [tasks][H * dv + 2 H].
+  const std::int64_t partial_floats = H * dv + 2 * H;
+  core::ScratchVector<float> partials(static_cast<std::size_t>(tasks.size()) * partial_floats);
+  auto partial_of = [&](std::int64_t t) {
+    float* base = partials.data() + t * partial_floats;
+    return Partial{base, base + H * dv, base + H * dv + H};
+  };
+
+  const int threads = std::max(1, std::min<int>(p.num_threads, static_cast<int>(tasks.size())));
+  std::vector<ThreadScratch> scratch(threads);
+  const std::int64_t max_keys = std::max<std::int64_t>(1, p.max_attended());
+  for (auto& s : scratch) {
+    s.kernel.resize(kernel.scratch_bytes(shape) + 64);
+    s.records.reserve(max_keys);
+    s.main.resize(std::min(max_keys, kMaxPiece));
+    if (!kv_in_place || !cmp_in_place) s.decoded.resize(static_cast<std::size_t>(kMaxPiece * D) * kes);
+    s.query.resize(p.dtype == kdt ? 0 : H * D);
+    s.token.resize(D);
+    s.piece_o.resize(H * dv);
+    s.piece_m.resize(H);
+    s.piece_s.resize(H);
+  }
+
+  core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t t, int thread) {
+    const Task task = tasks[t];
+    const std::int64_t b = task.row / p.next_n, j = task.row % p.next_n;
+    const RowSplit& split = splits[task.row];
+    ThreadScratch& s = scratch[thread];
+
+    // The row's records (and which cache each is from), then its query.
+    s.records.clear();
+    std::vector<bool> compressed_flags;  // only read when a cache is dequantised
+    const bool need_flags = !kv_in_place || !cmp_in_place;
+    p.for_each_attended(b, j, [&](bool compressed, std::int64_t pos) {
+      s.records.push_back(p.record(b, compressed, pos));
+      if (need_flags) compressed_flags.push_back(compressed);
+    });
+    const char* q = static_cast<const char*>(p.query) +
+                    (b * p.q_batch_stride + j * p.q_row_stride) * static_cast<std::int64_t>(dtype_size(p.dtype));
+    QueryRow query{q, p.q_head_stride, nullptr, 0};
+    if (p.dtype != kdt) {  // fp32 kernel for an fp16 or bf16 query
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t d = 0; d < D; ++d)
+          s.query[h * D + d] = core::load_float(q, p.dtype, h * p.q_head_stride + d);
+      query = QueryRow{reinterpret_cast<const char*>(s.query.data()), D, nullptr, 0};
+    }
+
+    const Partial acc = partial_of(t);
+    if (!direct(task.row)) clear(acc, H, dv);
+    const Partial piece{s.piece_o.data(), s.piece_m.data(), s.piece_s.data()};
+    for (std::int64_t pc = split.first(task.group); pc < split.end(task.group); ++pc) {
+      const std::int64_t k0 = pc * split.piece, n = std::max<std::int64_t>(0, std::min(split.piece, split.keys - k0));
+      for (std::int64_t k = 0; k < n; ++k) {
+        const std::uint8_t* rec = s.records[k0 + k];
+        const bool compressed = need_flags && compressed_flags[k0 + k];
+        if (compressed ? cmp_in_place : kv_in_place) {
+          s.main[k] = reinterpret_cast<const char*>(rec);
+          continue;
+        }
+        // Dequantised once for every head.
+        char* dst = reinterpret_cast<char*>(s.decoded.data()) + k * D * kes;
+        core::decode_token(compressed ? p.cmp : p.kv, rec, s.token.data());
+        if (kdt == DType::f32) {
+          std::memcpy(dst, s.token.data(), D * sizeof(float));
+        } else {
+          auto* d16 = reinterpret_cast<std::uint16_t*>(dst);
+          for (std::int64_t d = 0; d < D; ++d) d16[d] = core::float_to_bf16(s.token[d]);
+        }
+        s.main[k] = dst;
+      }
+      const KeyRows keys{s.main.data(), nullptr, n};
+      if (direct(task.row)) {
+        const std::int64_t row = task.row;
+        kernel.forward_row(shape, p.sinks, query, keys, s.aligned(),
+                           static_cast<char*>(p.out) + row * H * dv * static_cast<std::int64_t>(dtype_size(p.dtype)),
+                           piece.m, piece.s);
+        for (std::int64_t h = 0; h < H; ++h)
+          p.lse[row * H + h] = piece.m[h] + std::log(piece.s[h]);  // -inf + log 0: -inf for an empty row
+        return;
+      }
+      kernel.forward_row(partial_shape, nullptr, query, keys, s.aligned(), piece.o, piece.m, piece.s);
+      merge(acc, piece, H, dv);
+    }
+  });
+
+  // Rows split over tasks: their groups merge in order, then the sink and one rounding.
+  core::parallel_for(rows, std::max(1, std::min<int>(p.num_threads, static_cast<int>(rows))),
+                     [&](std::int64_t r, int) {
+                       if (direct(r)) return;
+                       const Partial acc = partial_of(first_task[r]);
+                       for (std::int64_t t = first_task[r] + 1; t < first_task[r + 1]; ++t)
+                         merge(acc, partial_of(t), H, dv);
+                       finish(p, acc, r);
+                     });
+}
+
+}  // namespace dsa::cpu

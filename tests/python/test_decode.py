@@ -1,0 +1,258 @@
+"""The decode operators over paged caches (dsa_indexer_decode,
+dsa_sparse_attention_decode) against the prefill ops on the gathered rows, an
+independent float64 torch oracle, and the reference backend: random block
+tables, ragged context lengths, next_n 1-4, bf16 / FP8 / fp32 caches, V3.2 and
+V4 modes, 1 and 2 threads bit for bit."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dsa
+from dsa import dsa_cache_gather, dsa_cache_write, dsa_indexer, dsa_indexer_decode, dsa_sparse_attention
+from dsa import dsa_sparse_attention_decode, new_paged_cache
+
+
+def paged(values: list[torch.Tensor], *, rope_dim: int, dtype: str, block_size: int, seed: int, ring_width=None):
+    """Writes each request's rows [n_b, dim] into a fresh paged cache through a
+    shuffled block table (no block shared); returns (cache, table)."""
+    g = torch.Generator().manual_seed(seed)
+    B, dim = len(values), values[0].shape[-1]
+    width = ring_width or max(1, max(math.ceil(v.shape[0] / block_size) for v in values))
+    ids = torch.randperm(B * width + 3, generator=g)[: B * width].to(torch.int32).view(B, width)
+    cache = new_paged_cache(B * width + 3, dim, rope_dim=rope_dim, dtype=dtype, block_size=block_size)
+    for b, v in enumerate(values):
+        n = v.shape[0]
+        first = max(0, n - width * block_size) if ring_width else 0
+        pos = torch.arange(first, n, dtype=torch.int32).view(1, -1)
+        dsa_cache_write(cache, ids[b: b + 1], pos, v[first:].unsqueeze(0), rope_dim=rope_dim, dtype=dtype,
+                        ring=bool(ring_width))
+    return cache, ids
+
+
+def gathered(cache, table, n, *, dim, rope_dim, dtype, out_dtype, first=0, ring=False):
+    pos = torch.arange(first, n, dtype=torch.int32).view(1, -1)
+    return dsa_cache_gather(cache, table, pos, dim=dim, rope_dim=rope_dim, dtype=dtype, ring=ring,
+                            out_dtype=out_dtype)[0]
+
+
+def torch_dtype(cache_dtype, query_dtype):
+    return torch.bfloat16 if query_dtype == torch.bfloat16 and cache_dtype != "fp32" else torch.float32
+
+
+@pytest.mark.parametrize("cache_dtype,qdtype", [("bf16", torch.bfloat16), ("fp8", torch.bfloat16),
+                                                ("fp32", torch.float32), ("bf16", torch.float32)])
+@pytest.mark.parametrize("next_n", [1, 3])
+@pytest.mark.parametrize("cmp_ratio", [1, 4])
+def test_indexer_decode_equals_the_prefill_indexer_on_gathered_keys(cache_dtype, qdtype, next_n, cmp_ratio):
+    g = torch.Generator().manual_seed(next_n * 10 + cmp_ratio)
+    Hi, Di, topk, bs = 8, 64, 24, 16
+    ctx = [next_n + 5, 97, 300]
+    if cmp_ratio > 1:
+        ctx = [max(c, cmp_ratio * next_n + 4) for c in ctx]
+    keys = [torch.randn(c // cmp_ratio, Di, generator=g) for c in ctx]
+    cache, table = paged(keys, rope_dim=0, dtype=cache_dtype, block_size=bs, seed=1)
+    q = torch.randn(len(ctx), next_n, Hi, Di, generator=g).to(qdtype)
+    w = torch.rand(len(ctx), next_n, Hi, generator=g).to(qdtype)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    got = dsa_indexer_decode(q, w, cache, table, lens, topk=topk, scale=0.3, cmp_ratio=cmp_ratio,
+                             cache_dtype=cache_dtype)
+    ref = dsa_indexer_decode(q, w, cache, table, lens, topk=topk, scale=0.3, cmp_ratio=cmp_ratio,
+                             cache_dtype=cache_dtype, backend="reference")
+    kdt = torch_dtype(cache_dtype, qdtype)
+    for b, c in enumerate(ctx):
+        k = gathered(cache, table[b: b + 1], c // cmp_ratio, dim=Di, rope_dim=0, dtype=cache_dtype,
+                     out_dtype=kdt)
+        want = dsa_indexer(q[b].to(kdt), k, w[b].to(kdt) if kdt == torch.bfloat16 else w[b].float(), topk=topk,
+                           scale=0.3, cmp_ratio=cmp_ratio, query_lengths=[0, next_n], key_lengths=[0, c])
+        assert torch.equal(got[b], want), (b, got[b], want)
+        # The reference scores in float64: the same selection up to near ties.
+        for j in range(next_n):
+            a, r = set(got[b, j].tolist()) - {-1}, set(ref[b, j].tolist()) - {-1}
+            assert len(a ^ r) <= 2, (b, j, a ^ r)
+
+
+def test_indexer_decode_splits_one_long_request_and_threads_agree():
+    g = torch.Generator().manual_seed(5)
+    Hi, Di, topk = 16, 128, 512
+    ctx = [20000]
+    keys = [torch.randn(ctx[0], Di, generator=g)]
+    cache, table = paged(keys, rope_dim=0, dtype="fp8", block_size=64, seed=2)
+    q = torch.randn(1, 2, Hi, Di, generator=g).bfloat16()
+    w = torch.rand(1, 2, Hi, generator=g).bfloat16()
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = dsa_indexer_decode(q, w, cache, table, lens, topk=topk, cache_dtype="fp8")
+        torch.set_num_threads(2)
+        two = dsa_indexer_decode(q, w, cache, table, lens, topk=topk, cache_dtype="fp8")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    k = gathered(cache, table, ctx[0], dim=Di, rope_dim=0, dtype="fp8", out_dtype=torch.bfloat16)
+    want = dsa_indexer(q[0], k, w[0], topk=topk, query_lengths=[0, 2], key_lengths=[0, ctx[0]])
+    assert torch.equal(one[0], want)
+
+
+def oracle_attention(q, keys, d_v, scale, sinks=None):
+    """float64: q [H, D], keys [n, D] -> out [H, d_v], lse [H]."""
+    q, keys = q.double(), keys.double()
+    if keys.shape[0] == 0:
+        return torch.zeros(q.shape[0], d_v, dtype=torch.float64), torch.full((q.shape[0],), -math.inf,
+                                                                              dtype=torch.float64)
+    logits = scale * q @ keys.T
+    m = logits.max(dim=1, keepdim=True).values
+    e = torch.exp(logits - m)
+    s = e.sum(dim=1, keepdim=True)
+    denom = s + (torch.exp(sinks.double().view(-1, 1) - m) if sinks is not None else 0)
+    return (e @ keys[:, :d_v]) / denom, (m + torch.log(s)).squeeze(1)
+
+
+MODES = ["v32_sparse", "dense", "window", "v4_csa", "v4_hca"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("cache_dtype,qdtype", [("bf16", torch.bfloat16), ("fp8", torch.bfloat16),
+                                                ("fp32", torch.float32), ("fp32", torch.bfloat16)])
+@pytest.mark.parametrize("next_n", [1, 2, 4])
+def test_sparse_attention_decode_against_prefill_oracle_and_reference(mode, cache_dtype, qdtype, next_n):
+    g = torch.Generator().manual_seed(MODES.index(mode) * 7 + next_n)
+    H, D, dv, rope, bs, topk, ratio, window = 8, 96, 64, 32, 16, 40, 4, 24
+    ctx = [next_n + 3, 75, 1500]
+    B = len(ctx)
+    v4 = mode.startswith("v4")
+    kv_rows = [torch.randn(c, D, generator=g) for c in ctx]
+    ring_width = (window - 1 + bs - 1) // bs + 1 + (next_n + bs - 1) // bs if v4 else None
+    cache, table = paged(kv_rows, rope_dim=rope, dtype=cache_dtype, block_size=bs, seed=3, ring_width=ring_width)
+    q = torch.randn(B, next_n, H, D, generator=g).to(qdtype)
+    lens = torch.tensor(ctx, dtype=torch.int64)
+    kw = dict(scale=D ** -0.5, d_v=dv, rope_dim=rope, cache_dtype=cache_dtype)
+    idx = topk_lens = cmp_cache = cmp_table = cmp_idx = sinks = None
+    if mode == "v32_sparse":
+        idx = torch.stack([torch.randint(-1, c + 2, (next_n, topk), generator=g, dtype=torch.int32) for c in ctx])
+        topk_lens = torch.tensor([topk, topk - 7, topk], dtype=torch.int32)
+        kw.update(indices=idx, topk_lens=topk_lens)
+    if mode == "window" or v4:
+        kw.update(window=window, ring=v4)
+    if v4:
+        cmp_rows = [torch.randn(c // ratio, D, generator=g) for c in ctx]
+        cmp_cache, cmp_table = paged(cmp_rows, rope_dim=rope, dtype=cache_dtype, block_size=bs, seed=4)
+        sinks = torch.randn(H, generator=g)
+        kw.update(cmp_cache=cmp_cache, cmp_block_table=cmp_table, cmp_ratio=ratio, sinks=sinks)
+        if mode == "v4_csa":
+            cmp_idx = torch.stack([torch.randint(-1, c // ratio + 1, (next_n, 12), generator=g, dtype=torch.int32)
+                                   for c in ctx])
+            kw.update(cmp_indices=cmp_idx)
+    out, lse = dsa_sparse_attention_decode(q, cache, table, lens, **kw)
+    ref_out, ref_lse = dsa_sparse_attention_decode(q, cache, table, lens, backend="reference", **kw)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        out1, lse1 = dsa_sparse_attention_decode(q, cache, table, lens, **kw)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out1, out) and torch.equal(lse1, lse)
+
+    kdt = torch_dtype(cache_dtype, qdtype)
+    tol = dict(atol=2e-2, rtol=2e-2) if qdtype == torch.bfloat16 else dict(atol=2e-5, rtol=2e-5)
+    for b, c in enumerate(ctx):
+        first = max(0, c - ring_width * bs) if v4 else 0
+        keys = torch.zeros(c, D)
+        keys[first:] = gathered(cache, table[b: b + 1], c, dim=D, rope_dim=rope, dtype=cache_dtype,
+                                out_dtype=torch.float32, first=first, ring=v4)
+        cmp_keys = (gathered(cmp_cache, cmp_table[b: b + 1], c // ratio, dim=D, rope_dim=rope, dtype=cache_dtype,
+                             out_dtype=torch.float32) if v4 else None)
+        for j in range(next_n):
+            pos = c - next_n + j
+            if idx is not None:
+                sel = [int(i) for i in idx[b, j, : topk_lens[b]] if 0 <= i <= pos]
+            else:
+                sel = list(range(max(0, pos - window + 1) if kw.get("window") else 0, pos + 1))
+            rows = [keys[sel]]
+            if v4:
+                vis = (pos + 1) // ratio
+                csel = ([int(i) for i in cmp_idx[b, j] if 0 <= i < vis] if cmp_idx is not None else list(range(vis)))
+                rows.append(cmp_keys[csel])
+            want, want_lse = oracle_attention(q[b, j].float(), torch.cat(rows), dv, D ** -0.5, sinks)
+            torch.testing.assert_close(out[b, j].double(), want, **tol)
+            torch.testing.assert_close(lse[b, j].double(), want_lse, atol=1e-3, rtol=1e-4)
+            torch.testing.assert_close(ref_out[b, j].double(), want, **tol)
+        if v4 or mode != "v32_sparse":
+            continue
+        # The prefill op on the gathered rows (one request, its next_n rows).
+        pre = dsa_sparse_attention(q[b].to(kdt), keys.to(kdt), idx[b, :, : topk_lens[b]].contiguous(),
+                                   scale=D ** -0.5, d_v=dv, query_lengths=[0, next_n], key_lengths=[0, c])
+        pre_out = pre[0] if isinstance(pre, tuple) else pre
+        torch.testing.assert_close(out[b].to(kdt), pre_out, **tol)
+
+
+def test_sparse_attention_decode_batch_one_uses_every_thread_with_the_same_bits():
+    g = torch.Generator().manual_seed(9)
+    H, D, dv, topk = 16, 576, 512, 2048
+    ctx = [6000]
+    cache, table = paged([torch.randn(ctx[0], D, generator=g)], rope_dim=64, dtype="fp8", block_size=64, seed=5)
+    q = torch.randn(1, 1, H, D, generator=g).bfloat16()
+    idx = torch.randperm(ctx[0], generator=g)[:topk].sort().values.to(torch.int32).view(1, 1, topk)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    kw = dict(scale=D ** -0.5, d_v=dv, rope_dim=64, cache_dtype="fp8", indices=idx)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(dsa_sparse_attention_decode(q, cache, table, lens, **kw))
+    finally:
+        torch.set_num_threads(threads)
+    for o, l in outs[1:]:
+        assert torch.equal(o, outs[0][0]) and torch.equal(l, outs[0][1])
+    keys = gathered(cache, table, ctx[0], dim=D, rope_dim=64, dtype="fp8", out_dtype=torch.float32)
+    want, want_lse = oracle_attention(q[0, 0].float(), keys[idx[0, 0].long()], dv, D ** -0.5)
+    torch.testing.assert_close(outs[0][0][0, 0].double(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_errors_name_the_argument():
+    cache, table = paged([torch.randn(40, 64)], rope_dim=0, dtype="bf16", block_size=16, seed=0)
+    q = torch.randn(1, 1, 4, 64).bfloat16()
+    lens = torch.tensor([40], dtype=torch.int32)
+    with pytest.raises(ValueError, match="context_lens"):
+        dsa_sparse_attention_decode(q, cache, table, torch.tensor([49], dtype=torch.int32), scale=1.0)
+    bad = table.clone()
+    bad[0, 1] = 1000
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\]"):
+        dsa_sparse_attention_decode(q, cache, bad, lens, scale=1.0)
+    bad[0, 1] = -1
+    with pytest.raises(ValueError, match="no block"):
+        dsa_sparse_attention_decode(q, cache, bad, lens, scale=1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        dsa_sparse_attention_decode(torch.randn(1, 3, 4, 64).bfloat16(), cache, table,
+                                    torch.tensor([2], dtype=torch.int32), scale=1.0)
+    with pytest.raises(ValueError, match="d_v"):
+        dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, d_v=65)
+    with pytest.raises(ValueError, match="cmp_ratio"):
+        dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, cmp_ratio=4)
+    with pytest.raises(ValueError, match="window"):
+        dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, window=4,
+                                    indices=torch.zeros(1, 1, 2, dtype=torch.int32))
+    w = torch.rand(1, 1, 4).bfloat16()
+    with pytest.raises(ValueError, match="context_lens"):
+        dsa_indexer_decode(q, w, cache, table, torch.tensor([80], dtype=torch.int32), topk=4)
+    with pytest.raises(ValueError, match="weights"):
+        dsa_indexer_decode(q, torch.rand(1, 1, 5), cache, table, lens, topk=4)
+    with pytest.raises(ValueError, match="key_cache"):
+        dsa_indexer_decode(q, w, cache, table, lens, topk=4, cache_dtype="fp8")
+
+
+def test_a_ring_refuses_positions_it_no_longer_holds():
+    bs, width = 8, 2
+    cache, table = paged([torch.randn(40, 32)], rope_dim=0, dtype="bf16", block_size=bs, seed=0, ring_width=width)
+    q = torch.randn(1, 1, 2, 32).bfloat16()
+    lens = torch.tensor([40], dtype=torch.int32)
+    dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, window=9, ring=True)
+    with pytest.raises(ValueError, match="ring block_table"):
+        dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, window=30, ring=True)
+    with pytest.raises(ValueError, match="left the ring"):
+        dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, ring=True,
+                                    indices=torch.tensor([[[3, 39]]], dtype=torch.int32))
