@@ -134,3 +134,60 @@ def test_calls_a_dsa_cache_cannot_run_raise(v32):
     # Beam search keeps transformers' own cache (a DsaCache does not reorder requests).
     out = patched.generate(_ids(1, 6), max_new_tokens=2, num_beams=2, do_sample=False, return_dict_in_generate=True)
     assert not isinstance(out.past_key_values, DsaCache)
+
+
+def test_decode_steps_read_the_caches_in_place(v32, monkeypatch):
+    # After the prompt, every step runs the decode ops on the paged caches: nothing of
+    # the context is gathered back (the prefill path's dsa_cache_gather).
+    from dsa.integrations.transformers import _cache
+    gathered = []
+    real = _cache.PagedStream.gather
+    monkeypatch.setattr(_cache.PagedStream, "gather", lambda self, lengths, dtype: (gathered.append(sum(lengths)),
+                                                                                   real(self, lengths, dtype))[1])
+    patched = patch(copy.deepcopy(v32), strict=True)
+    ids = _ids(1, 20, seed=7)  # a prompt over the decode ops' row limit: the prefill ops
+    out = patched.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, v32.generate(ids, max_new_tokens=6, do_sample=False))
+    layers = v32.config.num_hidden_layers
+    assert gathered == [20] * (2 * layers)  # the prompt's two streams per layer, then no gather
+
+
+def test_prompt_lookup_decoding_crops_the_dsa_cache(v32):
+    patched = patch(copy.deepcopy(v32), strict=True)
+    ids = torch.cat([_ids(1, 6, seed=8)] * 3, dim=1)  # repeats: prompt lookup finds drafts
+    want = v32.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3)
+    out = patched.generate(ids, max_new_tokens=12, do_sample=False, prompt_lookup_num_tokens=3,
+                           return_dict_in_generate=True)
+    assert torch.equal(out.sequences, want)
+    assert torch.equal(want, v32.generate(ids, max_new_tokens=12, do_sample=False))
+    assert isinstance(out.past_key_values, DsaCache)
+
+
+def test_dsa_cache_select_and_crop():
+    cfg = build("v32").config
+    cache = DsaCache(cfg)
+    with pytest.raises(ValueError, match="crop"):
+        cache.layers[0].crop(3)
+    with pytest.raises(ValueError, match="block_size"):
+        DsaCache(cfg, block_size=0)
+    with pytest.raises(NotImplementedError, match="copy requests"):
+        cache.layers[0].batch_repeat_interleave(2)
+
+
+def test_fp16_models_generate(v32):
+    half = copy.deepcopy(v32).half()
+    patched = patch(copy.deepcopy(half), strict=True)
+    ids = _ids(2, 9, seed=9)
+    out = patched.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert out.sequences.shape == (2, 13)
+    assert out.past_key_values.layers[0].latent.cache_dtype == "fp32"  # fp16 storage is not offered
+
+
+def test_a_cache_dtype_no_cache_honours_warns_or_raises(v32):
+    with pytest.warns(UserWarning, match="cache_dtype='fp8' is not honoured"):
+        patch(copy.deepcopy(v32), li=False, cache_dtype="fp8")
+    with pytest.raises(ValueError, match="cache_dtype='fp8' is not honoured"):
+        patch(copy.deepcopy(v32), li=False, cache_dtype="fp8", strict=True)
+    v4 = build("v4")
+    with pytest.warns(UserWarning, match="DeepSeek-V4"):
+        patch(v4, cache_dtype="bf16")

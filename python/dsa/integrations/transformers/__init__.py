@@ -15,6 +15,7 @@ is monkeypatched, so another model in the same process, and this one after
 from __future__ import annotations
 
 import types
+import warnings
 from typing import Optional
 
 import torch
@@ -137,6 +138,18 @@ def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compress
                     _bind(comp.indexer, _v4.indexer_forward, state, name + ".compressor.indexer")
     if found == 0:
         raise ValueError(f"patch: {type(model).__name__} holds no DeepSeek-V3.2 or DeepSeek-V4 attention module")
+    if opts.cache_dtype is not None:
+        # Only a DsaCache stores in cache_dtype, and generate() creates one for a
+        # DeepSeek-V3.2 patched with sas and li only: elsewhere the choice would be lost.
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        why = ("DeepSeek-V4 generation keeps transformers' cache (no DsaCache yet)" if model_type == "deepseek_v4"
+               else "sas=False or li=False (generate() keeps transformers' cache)" if not (opts.sas and opts.li)
+               else None)
+        if why is not None:
+            message = f"patch: cache_dtype={opts.cache_dtype!r} is not honoured: {why}"
+            if opts.strict:
+                raise ValueError(message)
+            warnings.warn(message, stacklevel=2)
     if opts.sas:
         # transformers then builds no dense mask: the layers read what it would build one from.
         from . import _mask

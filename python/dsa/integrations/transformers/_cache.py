@@ -74,9 +74,12 @@ class PagedStream:
         longest = max(lengths + [0])
         pos = torch.arange(longest).unsqueeze(0).expand(len(lengths), -1).clone()
         pos[pos >= torch.tensor(lengths).unsqueeze(1)] = -1
+        # Read back in fp32 (exact for every storage dtype) where the model's dtype is
+        # neither fp32 nor bf16 (fp16 models), then cast as the model's own cache would.
+        read_dtype = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
         rows = dsa_cache_gather(self.cache, self.table, pos, dim=self.dim, rope_dim=self.rope_dim,
-                                dtype=self.cache_dtype, out_dtype=out_dtype)
-        return rows[pos >= 0]
+                                dtype=self.cache_dtype, out_dtype=read_dtype)
+        return rows[pos >= 0].to(out_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -125,6 +128,34 @@ class DsaV32Layer(CacheLayerMixin):
         self.latent = self.index_keys = None
         self.lengths, self.columns, self.is_initialized = [], 0, False
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drops the last ``-tokens_to_remove`` tokens of every request (assisted and
+        prompt-lookup decoding reject draft tokens this way). Those columns are rows
+        every request cached (generated tokens), so each request loses as many; their
+        blocks stay and are overwritten by the next rows."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop: expected a negative count of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        if n > min(self.lengths) or n > self.columns:
+            raise ValueError(f"crop: cannot remove {n} tokens from requests holding {self.lengths}")
+        self.lengths = [length - n for length in self.lengths]
+        self.columns -= n
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keeps the requests at ``indices`` (their block-table rows and lengths)."""
+        if not self.is_initialized:
+            return
+        keep = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        for stream in (self.latent, self.index_keys):
+            stream.table = stream.table[keep].contiguous()
+        self.lengths = [self.lengths[i] for i in keep]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("DsaCache does not copy requests (two requests would write one block); "
+                                  "generate() on a patched model uses transformers' cache where it expands a batch")
+
     def reorder_cache(self, beam_idx) -> None:
         raise NotImplementedError("DsaCache does not reorder requests (beam search): generate() on a patched "
                                   "model uses it for greedy and sampling, the default cache for beams")
@@ -145,6 +176,10 @@ class DsaCache(Cache):
                  capacity_tokens: int = 0):
         if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
             raise ValueError(f"cache_dtype: expected one of {CACHE_DTYPES} or None, got {cache_dtype!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size: expected an integer >= 1 (tokens per block), got {block_size!r}")
+        if isinstance(capacity_tokens, bool) or not isinstance(capacity_tokens, int) or capacity_tokens < 0:
+            raise ValueError(f"capacity_tokens: expected an integer >= 0, got {capacity_tokens!r}")
         if getattr(config, "model_type", None) != "deepseek_v32":
             raise ValueError(f"DsaCache: DeepSeek-V3.2 models only so far, got model_type "
                              f"{getattr(config, 'model_type', None)!r}")

@@ -14,12 +14,16 @@ from . import _cp, _geometry, _loss, _mask, _ops
 from ._cache import DsaCache
 from ._checks import call_reason, cache_layer_reason
 from ._mask import DsaMask, for_original, original_of, run_original
-from ... import dsa_indexer, dsa_sparse_attention
+from ... import dsa_indexer, dsa_indexer_decode, dsa_sparse_attention, dsa_sparse_attention_decode
 
 from transformers.cache_utils import DynamicIndexedLayer
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as M
 
 _CACHE_LAYERS = (DynamicIndexedLayer,)
+# A DsaCache call of at most this many rows per request, all valid, runs the decode
+# ops (a decode step, multi-token or speculative verification); longer calls the
+# prefill ops, whose tiles pay off over many rows.
+DECODE_MAX_ROWS = 16
 
 
 def _absorb_reason(linear):
@@ -228,7 +232,23 @@ def _paged_forward(self, hidden_states, position_embeddings, attention_mask, cac
         stream.write(positions, rows)
     layer.lengths, layer.columns = lengths, layer.columns + seq
 
-    # Each request's cached rows, back to back; its valid queries are its last rows.
+    if seq <= DECODE_MAX_ROWS and all(c == seq for c in counts):
+        # Decode (and short verify or chunk calls): every request's `seq` rows are the
+        # last of its context; the decode ops read the caches in place, so the step
+        # reads the top-k latent rows and the index keys, nothing else of the context.
+        lens = torch.tensor(lengths, dtype=torch.int32)
+        indices = dsa_indexer_decode(iq, iw, layer.index_keys.cache, layer.index_keys.table, lens,
+                                     topk=ix.index_topk, scale=ix.softmax_scale,
+                                     cache_dtype=layer.index_keys.cache_dtype, backend=st.options.backend)
+        out, _ = dsa_sparse_attention_decode(query.contiguous(), layer.latent.cache, layer.latent.table, lens,
+                                             scale=self.scaling, d_v=self.kv_lora_rank, indices=indices,
+                                             rope_dim=self.qk_rope_head_dim, cache_dtype=layer.latent.cache_dtype,
+                                             backend=st.options.backend)
+        out = torch.einsum("bshr,hvr->bshv", out, w_uv)
+        return self.o_proj(out.reshape(batch, seq, self.num_heads * self.v_head_dim)), None
+
+    # Prefill, chunks and ragged calls: each request's cached rows, back to back (its
+    # valid queries are its last rows), through the prefill ops.
     keys = layer.latent.gather(lengths, kv.dtype)
     index_keys = layer.index_keys.gather(lengths, ik.dtype)
     spans = dict(query_lengths=_ends(counts), key_lengths=_ends(lengths), layout="TND",
