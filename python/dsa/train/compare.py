@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from .._child import run_json_child
 from .loop import CONFIGS, RunSpec, proc_gib
 
 GIB = 1.0
@@ -20,18 +18,10 @@ GIB = 1.0
 def _child(spec: RunSpec, timeout_s: float, budget_gib: float | None = None) -> dict:
     """Runs one configuration (or, with `budget_gib`, its layers-within-budget search) in a
     fresh interpreter and returns its result JSON."""
-    with tempfile.TemporaryDirectory(prefix="dsa-train-") as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "dsa.train", "--_child-spec", json.dumps(asdict(spec)), "--_child-out", str(out)]
-        if budget_gib is not None:
-            cmd += ["--_child-budget", str(budget_gib)]
-        try:
-            proc = subprocess.run(cmd, timeout=timeout_s, stdout=subprocess.PIPE, stderr=None, text=True)
-        except subprocess.TimeoutExpired:
-            return {"error": f"over the {timeout_s:.0f} s limit"}
-        if proc.returncode != 0 or not out.exists():
-            return {"error": f"exit code {proc.returncode}: {proc.stdout.strip()[-400:]}"}
-        return json.loads(out.read_text())
+    args = ["-m", "dsa.train", "--_child-spec", json.dumps(asdict(spec))]
+    if budget_gib is not None:
+        args += ["--_child-budget", str(budget_gib)]
+    return run_json_child(args, "--_child-out", timeout_s, show_stderr=True)
 
 
 def unpatched_skip(spec: RunSpec) -> str | None:

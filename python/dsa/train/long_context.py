@@ -17,41 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from .._child import run_json_child
 
-
-def _v32_config(layers: int, tokens: int):
-    """A small V3.2: the real MLA widths (512-dim latent + 64 RoPE, 128 + 64 query heads),
-    8 heads, a 16-head indexer picking 512 keys."""
-    import torch
-    from transformers import DeepseekV32Config
-
-    from .data import VOCAB
-    return DeepseekV32Config(
-        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-        num_hidden_layers=layers, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
-        q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-        index_n_heads=16, index_head_dim=64, index_topk=512, n_routed_experts=4, n_group=2, topk_group=1,
-        num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=max(4096, tokens), pad_token_id=0,
-        attn_implementation="eager", torch_dtype=torch.bfloat16, use_cache=False)
-
-
-def _model(kind: str, layers: int, tokens: int):
-    import torch
-
-    from .model import build_model, v4_config
-    if kind == "v4":
-        config = v4_config(layers=layers, hidden=256, heads=8, head_dim=128, seq_len=tokens, index_topk=512,
-                           dtype=torch.bfloat16)
-        return build_model(config, seed=0, dtype=torch.bfloat16)
-    from transformers import DeepseekV32ForCausalLM
-    torch.manual_seed(0)
-    return DeepseekV32ForCausalLM(_v32_config(layers, tokens)).to(torch.bfloat16).train()
 
 
 class _Timer:
@@ -97,7 +68,8 @@ def run_case(kind: str, layers: int, tokens: int, mode: str, geometry: bool) -> 
     from dsa.integrations.transformers import fallback_counts, indexer_losses, patch
 
     from .loop import proc_gib  # with torch: not at module level, where the parent runs without it
-    model = _model(kind, layers, tokens)
+    from .model import build_small
+    model = build_small(kind, layers, tokens, torch.bfloat16)
     patch(model, strict=True, indexer_loss="sparse" if mode == "step" else None)
     timer = _geometry_timer(kind) if geometry else None
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
@@ -127,19 +99,8 @@ def run_case(kind: str, layers: int, tokens: int, mode: str, geometry: bool) -> 
 
 
 def _child(case: dict, timeout_s: float) -> dict:
-    with tempfile.TemporaryDirectory(prefix="dsa-long-") as tmp:
-        out = Path(tmp) / "r.json"
-        cmd = [sys.executable, "-m", "dsa.train.long_context", "--_case", json.dumps(case), "--_out", str(out)]
-        try:
-            proc = subprocess.run(cmd, timeout=timeout_s, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True)
-        except subprocess.TimeoutExpired:
-            return dict(case, error=f"over the {timeout_s:.0f} s limit")
-        if proc.returncode != 0 or not out.exists():
-            tail = proc.stdout.strip().splitlines()[-1:] if proc.stdout else []
-            why = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit code {proc.returncode}"
-            return dict(case, error=f"{why}: {' '.join(tail)[-300:]}")
-        return json.loads(out.read_text())
+    result = run_json_child(["-m", "dsa.train.long_context", "--_case", json.dumps(case)], "--_out", timeout_s)
+    return dict(case, **result) if "error" in result else result
 
 
 def table(rows: list) -> str:

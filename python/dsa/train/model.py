@@ -53,3 +53,29 @@ def build_model(config, seed: int, dtype: torch.dtype):
 
 def layer_types(model) -> list[str]:
     return [SHORT[t] for t in model.config.layer_types]
+
+
+def v32_config(layers: int, tokens: int, dtype: torch.dtype):
+    """A small DeepSeek-V3.2: the real MLA widths (512-dim latent + 64 RoPE, 128 + 64 query
+    dims, 128 value dims), 8 heads, a 16-head indexer picking 512 keys."""
+    from transformers import DeepseekV32Config
+
+    return DeepseekV32Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+        num_hidden_layers=layers, first_k_dense_replace=1, num_attention_heads=8, num_key_value_heads=8,
+        q_lora_rank=128, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        index_n_heads=16, index_head_dim=64, index_topk=512, n_routed_experts=4, n_group=2, topk_group=1,
+        num_experts_per_tok=2, n_shared_experts=1, max_position_embeddings=max(4096, tokens), pad_token_id=0,
+        attn_implementation="eager", torch_dtype=dtype, use_cache=False)
+
+
+def build_small(kind: str, layers: int, tokens: int, dtype: torch.dtype, seed: int = 0):
+    """The small V4 of the training job (hidden 256, 8 heads x 128, top-512 CSA) or the
+    small V3.2 above, random init, for ``tokens`` positions."""
+    if kind == "v4":
+        config = v4_config(layers=layers, hidden=256, heads=8, head_dim=128, seq_len=tokens, index_topk=512,
+                           dtype=dtype)
+        return build_model(config, seed=seed, dtype=dtype)
+    from transformers import DeepseekV32ForCausalLM
+    torch.manual_seed(seed)
+    return DeepseekV32ForCausalLM(v32_config(layers, tokens, dtype)).to(dtype).train()
