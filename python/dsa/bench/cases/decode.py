@@ -1,0 +1,148 @@
+"""Benchmark cases of the decode operators over paged caches (docs/serving.md).
+
+DeepSeek-V3.2 shapes: the sparse decode attention reads top-2048 latent rows
+(576 values, d_v 512) per request for H query heads; the decode indexer scores
+every cached index key (128 values) with 64 heads. Each row names its binding
+bound: the attention at H = 128 is a [128 x 576].[576 x 2048] product per request
+(compute), at H = 16 it reads 2048 records for a sixteenth of the work (bytes at
+copy bandwidth); the indexer does 2 * 64 * 128 FLOPs per 132-byte FP8 key (compute).
+
+Peers: ``naive`` gathers the selected rows (dsa_cache_gather) and runs torch's
+softmax attention / score + topk; ``gather_prefill`` is the path a DsaCache decode
+step took before the decode ops: every cached row of the request read back, then
+the prefill op.
+"""
+from __future__ import annotations
+
+import torch
+
+from dsa import (dsa_cache_gather, dsa_indexer, dsa_indexer_decode, dsa_sparse_attention,
+                 dsa_sparse_attention_decode)
+from dsa.bench.case import FUSED, NAIVE, Case
+from dsa.paged_cache import DEFAULT_BLOCK_SIZE, cache_token_bytes
+
+TODAY = "gather_prefill"
+BS = DEFAULT_BLOCK_SIZE
+
+
+def _finite_bf16_bytes(n: int, g: torch.Generator) -> torch.Tensor:
+    """n random bf16 values of magnitude < 2 (exponent's top bit cleared: never inf or NaN), as bytes."""
+    bits = torch.randint(-2 ** 15, 2 ** 15, (n,), dtype=torch.int32, generator=g) & 0xBFFF
+    return bits.to(torch.int16).view(torch.uint8)
+
+
+def random_cache(tokens: int, dim: int, rope: int, dtype: str, g: torch.Generator) -> torch.Tensor:
+    """A paged cache of ``tokens`` valid random records, written as bytes (a cache_write
+    of 2 Mi tokens would dominate the set-up)."""
+    blocks = -(-tokens // BS)
+    tb = cache_token_bytes(dim, rope, dtype)
+    cache = torch.empty(blocks * BS, tb, dtype=torch.uint8)
+    if dtype == "bf16":
+        cache.view(-1).copy_(_finite_bf16_bytes(blocks * BS * dim, g))
+    else:  # fp8: codes of either sign below NaN, scale 2^-4, bf16 RoPE
+        nq = dim - rope
+        codes = torch.randint(0, 0x7F, (blocks * BS, nq), dtype=torch.uint8, generator=g)
+        cache[:, :nq] = codes | (torch.randint(0, 2, codes.shape, dtype=torch.uint8, generator=g) << 7)
+        groups = -(-nq // 128)
+        cache[:, nq: nq + 4 * groups] = torch.full((blocks * BS, groups), 2.0 ** -4).view(torch.uint8)
+        if rope:
+            cache[:, nq + 4 * groups:] = _finite_bf16_bytes(blocks * BS * rope, g).view(blocks * BS, -1)
+    return cache.view(blocks, BS, tb)
+
+
+def _tables(B: int, ctx: int) -> torch.Tensor:
+    width = -(-ctx // BS)
+    return torch.arange(B * width, dtype=torch.int32).view(B, width)  # distinct blocks per request
+
+
+def attention_case(H: int, ctx: int, B: int, cache_dtype: str, topk: int = 2048, quick: bool = False) -> Case:
+    D, rope, dv = 576, 64, 512
+
+    def setup():
+        g = torch.Generator().manual_seed(7)
+        idx = torch.stack([torch.randperm(ctx, generator=g)[:topk].sort().values for _ in range(B)])
+        return {"q": torch.randn(B, 1, H, D, generator=g).bfloat16(),
+                "cache": random_cache(B * ctx, D, rope, cache_dtype, g), "table": _tables(B, ctx),
+                "lens": torch.full((B,), ctx, dtype=torch.int32), "idx": idx.to(torch.int32).view(B, 1, topk)}
+
+    def fused(x):
+        return dsa_sparse_attention_decode(x["q"], x["cache"], x["table"], x["lens"], scale=D ** -0.5, d_v=dv,
+                                           indices=x["idx"], rope_dim=rope, cache_dtype=cache_dtype)
+
+    def naive(x):
+        rows = dsa_cache_gather(x["cache"], x["table"], x["idx"][:, 0], dim=D, rope_dim=rope, dtype=cache_dtype,
+                                out_dtype=torch.bfloat16)  # [B, topk, D]
+        p = torch.softmax((x["q"][:, 0] @ rows.transpose(1, 2)).float() * D ** -0.5, dim=-1)
+        return p.bfloat16() @ rows[..., :dv]
+
+    def today(x):
+        outs = []
+        for b in range(B):
+            pos = torch.arange(ctx, dtype=torch.int32).view(1, -1)
+            kv = dsa_cache_gather(x["cache"], x["table"][b: b + 1], pos, dim=D, rope_dim=rope, dtype=cache_dtype,
+                                  out_dtype=torch.bfloat16)[0]
+            outs.append(dsa_sparse_attention(x["q"][b], kv, x["idx"][b], scale=D ** -0.5, d_v=dv,
+                                             query_lengths=[0, 1], key_lengths=[0, ctx])[0])
+        return outs
+
+    impls = {FUSED: fused, NAIVE: naive, TODAY: today}
+    skip = {}
+    if B * ctx > 32768 * 2:
+        del impls[TODAY]
+        skip[TODAY] = "reads every cached row of every request (B x context rows per step): small cases only"
+    record = cache_token_bytes(D, rope, cache_dtype)
+    bound = "compute" if H >= 64 else "copy_bw"
+    return Case(name=f"sparse_attention_decode/{cache_dtype}/H{H}/ctx{ctx // 1024}K/B{B}/K{topk}",
+                setup=setup, impls=impls, skip=skip, flops=2.0 * B * H * topk * (D + dv),
+                bytes_moved=float(B * topk * record), ceiling=bound, dtype="bf16", quick=quick,
+                note=(f"bound: {'FLOPs' if bound == 'compute' else 'bytes read'} "
+                      f"({2 * H * (D + dv) / record:.0f} FLOP per byte of {record}-byte records)"))
+
+
+def indexer_case(ctx: int, B: int, next_n: int, cache_dtype: str = "fp8", Hi: int = 64, Di: int = 128,
+                 topk: int = 2048, quick: bool = False) -> Case:
+    def setup():
+        g = torch.Generator().manual_seed(8)
+        return {"q": torch.randn(B, next_n, Hi, Di, generator=g).bfloat16(),
+                "w": (torch.randn(B, next_n, Hi, generator=g) * Hi ** -0.5).bfloat16(),
+                "cache": random_cache(B * ctx, Di, 0, cache_dtype, g), "table": _tables(B, ctx),
+                "lens": torch.full((B,), ctx, dtype=torch.int32)}
+
+    def fused(x):
+        return dsa_indexer_decode(x["q"], x["w"], x["cache"], x["table"], x["lens"], topk=topk,
+                                  scale=Di ** -0.5, cache_dtype=cache_dtype)
+
+    def gathered(x, b):
+        pos = torch.arange(ctx, dtype=torch.int32).view(1, -1)
+        return dsa_cache_gather(x["cache"], x["table"][b: b + 1], pos, dim=Di, dtype=cache_dtype,
+                                out_dtype=torch.bfloat16)[0]
+
+    def naive(x):
+        out = []
+        for b in range(B):
+            k = gathered(x, b)
+            s = (torch.relu(torch.einsum("nhd,sd->nhs", x["q"][b], k).float()) * x["w"][b].float()[..., None]).sum(1)
+            causal = torch.arange(ctx) > (ctx - next_n + torch.arange(next_n))[:, None]
+            out.append(s.masked_fill(causal, float("-inf")).topk(topk, dim=-1).indices)
+        return out
+
+    def today(x):
+        return [dsa_indexer(x["q"][b], gathered(x, b), x["w"][b], topk=topk, scale=Di ** -0.5,
+                            query_lengths=[0, next_n], key_lengths=[0, ctx]) for b in range(B)]
+
+    impls = {FUSED: fused, NAIVE: naive, TODAY: today}
+    return Case(name=f"indexer_decode/{cache_dtype}/Hi{Hi}/ctx{ctx // 1024}K/B{B}/n{next_n}",
+                setup=setup, impls=impls, flops=2.0 * B * next_n * Hi * Di * ctx,
+                bytes_moved=float(B * ctx * cache_token_bytes(Di, 0, cache_dtype)), ceiling="compute",
+                dtype="bf16", quick=quick,
+                note="bound: FLOPs (2 * 64 * 128 per 132-byte key and row)")
+
+
+CASES = (
+    [attention_case(128, 32768, 1, "bf16", quick=True), attention_case(16, 32768, 1, "bf16", quick=True)]
+    + [attention_case(H, ctx, B, c) for c in ("bf16", "fp8") for H in (128, 16) for ctx in (32768, 131072)
+       for B in (1, 16) if not (c == "bf16" and ctx == 32768 and B == 1)]
+    + [indexer_case(32768, 1, 1, quick=True)]
+    + [indexer_case(ctx, B, n) for ctx in (32768, 131072) for B in (1, 16) for n in (1, 2)
+       if not (ctx == 32768 and B == 1 and n == 1)]
+)
