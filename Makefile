@@ -5,7 +5,7 @@ BUILD   := build
 JOBS    ?= $(shell nproc)
 PYENV   := PYTHONPATH=$(CURDIR)/python
 
-.PHONY: setup build run bench-quick test test-cpp test-python test-install test-sanitize fuzz-build fuzz test-fuzz bench clean
+.PHONY: setup build run bench-quick repeat-distributed test test-cpp test-python test-install test-sanitize fuzz-build fuzz test-fuzz bench clean
 
 setup:
 	@bash tools/setup.sh
@@ -66,6 +66,14 @@ fuzz: fuzz-build
 
 test-fuzz: fuzz-build
 	bash tools/run_fuzz.sh $(FUZZ_BUILD) $(FUZZ_CI_SECONDS) $(JOBS) 1
+
+# The distributed (gloo) suites REPEATS times in a row, each run in a fresh pytest
+# bounded by REPEAT_TIMEOUT seconds: what fails, and whether a rank died by a
+# signal (docs/hardening.md). Not part of make test (tens of minutes).
+REPEATS        ?= 30
+REPEAT_TIMEOUT ?= 600
+repeat-distributed: build
+	$(PY) tools/repeat_distributed.py --runs $(REPEATS) --timeout $(REPEAT_TIMEOUT)
 
 clean:
 	rm -rf $(BUILD) $(BUILD)-sanitize $(FUZZ_BUILD)

@@ -1,6 +1,6 @@
 """One measurement in a fresh interpreter, so that its peak memory (VmHWM) is its own:
 what dsa-train --compare, dsa.train.long_context and dsa-generate --compare run each
-configuration in."""
+configuration in; and the token-count lists their command lines take."""
 from __future__ import annotations
 
 import json
@@ -28,3 +28,12 @@ def run_json_child(args: list, out_flag: str, timeout_s: float, show_stderr: boo
             why = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit code {proc.returncode}"
             return {"error": f"{why}: {' '.join(tail)[-400:]}"}
         return json.loads(out.read_text())
+
+
+def parse_token_counts(text: str) -> list:
+    """"1k,4k,20000" -> [1024, 4096, 20000] (a k suffix counts 1024)."""
+    out = []
+    for t in text.split(","):
+        t = t.strip().lower()
+        out.append(int(t[:-1]) * 1024 if t.endswith("k") else int(t))
+    return out

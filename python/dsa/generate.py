@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._child import run_json_child
+from ._child import parse_token_counts, run_json_child
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -150,14 +150,6 @@ def plot(rows: list, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _lengths(text: str) -> list:
-    out = []
-    for t in text.split(","):
-        t = t.strip().lower()
-        out.append(int(t[:-1]) * 1024 if t.endswith("k") else int(t))
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dsa-generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="a save_pretrained folder (default: the small random --arch model)")
@@ -181,7 +173,7 @@ def main(argv=None) -> int:
     if args.new_tokens < 2 or args.batch < 1 or args.layers < 1:
         ap.error("--new-tokens >= 2, --batch >= 1 and --layers >= 1")
     try:
-        prompts = _lengths(args.prompt_lengths)
+        prompts = parse_token_counts(args.prompt_lengths)
     except ValueError:
         ap.error("--prompt-lengths: expected numbers such as 1024 or 4k")
     configs = _configs(args.dtype) if args.compare else [(f"dsa-{args.dtype}", True, args.dtype)]

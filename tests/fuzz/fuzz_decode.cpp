@@ -91,7 +91,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       !a.view(index_out, in.dtype(DType::i32), {batch, next_n, topk}))
     return 0;
   // Context lengths: next_n plus what the table covers, now and then anything.
-  if (lens.data && lens.ndim == 1 && lens.shape[0] > 0 && lens.shape[0] <= 64)
+  // (Only views whose extent the arena allocated: a stride of 2^55 claims memory it did not.)
+  if (lens.data && lens.ndim == 1 && lens.shape[0] > 0 && lens.shape[0] <= 64 && lens.strides[0] >= 0 &&
+      lens.strides[0] <= 16)
     for (std::int64_t i = 0; i < lens.shape[0]; ++i) {
       const std::int64_t v = in.rare(16) ? in.range(-3, 1ll << 40) : std::clamp<std::int64_t>(next_n, 0, 1 << 20) + in.range(0, static_cast<std::int64_t>(keys));
       const std::int64_t at = i * lens.strides[0];

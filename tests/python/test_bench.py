@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+from dataclasses import replace
 import torch
 
 import dsa
@@ -41,6 +42,9 @@ def test_cases_are_discovered_and_well_formed():
                                         if c.name.startswith("compressor/") or "indexer/bf16/T512/" in c.name]
     assert {c.name.split("/")[0] for c in either} == {"compressor", "indexer"}
     for c in cases:
+        if c.ceiling == "binding":  # resolved per machine: both bounds must be known
+            assert c.flops > 0 and c.bytes_moved > 0, c.name
+            c = replace(c, ceiling="compute")
         assert work_of(c) in (("compute", "bf16"), ("compute", "fp32"), ("copy_bw", "bf16"), ("copy_bw", "fp32"))
         assert c.flops > 0 or c.bytes_moved > 0, c.name
         assert FUSED in c.impls, c.name
@@ -388,3 +392,11 @@ def test_time_impl_starts_no_run_past_its_deadline(monkeypatch):
     assert len(times) == 1 and time.perf_counter() - t0 < 1.0
     assert events == ["warmup", "cut", "run"]
     assert runner.time_impl(op, {}, repeats=None, deadline=time.perf_counter() + 0.35) == []
+
+
+def test_a_binding_case_takes_the_slower_bound():
+    from dsa.bench.machine import binding_case
+    c = Case(name="x", setup=dict, impls={FUSED: len}, flops=1e9, bytes_moved=1e9, ceiling="binding", dtype="fp32")
+    ceilings = {"fp32_fma_avx2": 1e11, "copy_bw": 1e10}
+    assert binding_case(c, ceilings, "avx2", False, set()).ceiling == "copy_bw"  # 100 ms of bytes > 10 ms
+    assert binding_case(replace(c, bytes_moved=1e6), ceilings, "avx2", False, set()).ceiling == "compute"

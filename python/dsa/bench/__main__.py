@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
     from .. import _C
     from .case import work_of
-    from .machine import ceiling_label, choose_ceiling, machine_info, measure_ceilings, probe_bf16
+    from .machine import binding_case, ceiling_label, choose_ceiling, machine_info, measure_ceilings, probe_bf16
     from .report import format_table, header_lines, notes, write_json
     from .runner import BUDGET_S, QUICK_BUDGET_S, impls_of, load_cases, run_case, select_cases, wants_fp32_peer
 
@@ -117,6 +117,8 @@ def main(argv=None) -> int:
     ceilings, sizes = measure_ceilings(threads, probe, args.gemm_size)
     results, used = [], []
     for case in cases:
+        if case.ceiling == "binding":
+            case = binding_case(case, ceilings, isa, probe["native"], peaks)
         work, dtype = work_of(case)
         key = choose_ceiling(work, dtype, isa, probe["native"], peaks)
         label = ceiling_label(key, isa)

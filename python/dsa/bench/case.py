@@ -37,7 +37,8 @@ class Case:
     impls: dict[str, Callable[[dict[str, Any]], Any]]  # FUSED / NAIVE / REFERENCE -> run(inputs)
     flops: float = 0.0                          # valid work (FlashMLA convention); 0 if memory-bound
     bytes_moved: float = 0.0                    # bytes the op must move (memory-bound cases)
-    ceiling: str = "compute"                    # "compute" (FLOP/s) | "copy_bw" (bytes/s)
+    ceiling: str = "compute"                    # "compute" (FLOP/s) | "copy_bw" (bytes/s) | "binding" (the slower
+                                                # of the two for flops and bytes_moved on this machine)
     dtype: str = "bf16"                         # "bf16" | "fp32": the inputs' dtype
     quick: bool = False                         # part of `make bench-quick` (dsa-bench --quick)
     note: str = ""                              # e.g. why an implementation is skipped

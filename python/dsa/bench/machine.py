@@ -165,6 +165,21 @@ def choose_ceiling(work: str, dtype: str, isa: str, bf16_native: bool, peaks) ->
     return _FP32_PEAK_OF_ISA[isa]
 
 
+def binding_case(case, ceilings: dict, isa: str, bf16_native: bool, peaks):
+    """A case whose ceiling is "binding" (decode: FLOPs or bytes, whichever bounds it
+    on this machine): the same case compared with the slower of its two bounds, the
+    compute ceiling for its FLOPs or the copy bandwidth for its bytes, named in its note."""
+    from dataclasses import replace
+    compute = ceilings.get(choose_ceiling("compute", case.dtype, isa, bf16_native, peaks))
+    copy = ceilings.get("copy_bw")
+    t_compute = case.flops / compute if compute else 0.0
+    t_bytes = case.bytes_moved / copy if copy else 0.0
+    work = "compute" if t_compute >= t_bytes else "copy_bw"
+    why = (f"binding bound here: {'FLOPs' if work == 'compute' else 'bytes read'} "
+           f"({t_compute * 1e3:.3g} ms at the compute ceiling, {t_bytes * 1e3:.3g} ms at copy bandwidth)")
+    return replace(case, ceiling=work, note=f"{case.note}; {why}" if case.note else why)
+
+
 def ceiling_label(key: str, isa: str) -> str:
     if key == "bf16_gemm" and isa == "amx":
         return "bf16 GEMM (AMX)"

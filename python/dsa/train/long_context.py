@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from .._child import run_json_child
+from .._child import parse_token_counts, run_json_child
 
 
 
@@ -144,14 +144,6 @@ def plot(rows: list, path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _tokens(text: str) -> list:
-    out = []
-    for t in text.split(","):
-        t = t.strip().lower()
-        out.append(int(t[:-1]) * 1024 if t.endswith("k") else int(t))
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsa.train.long_context", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="v4,v32", help="comma list of v4, v32 (default %(default)s)")
@@ -182,8 +174,8 @@ def main(argv=None) -> int:
         if m not in ("forward", "step"):
             ap.error(f"--modes: expected forward or step, got {m!r}")
     try:
-        tokens = _tokens(args.tokens)
-        max_step = _tokens(args.max_step_tokens)[0]
+        tokens = parse_token_counts(args.tokens)
+        max_step = parse_token_counts(args.max_step_tokens)[0]
     except ValueError:
         ap.error("--tokens / --max-step-tokens: expected numbers such as 4096 or 4k")
     cases = [dict(kind=k, layers=args.forward_layers if mode == "forward" else args.step_layers, tokens=t, mode=mode,

@@ -2,10 +2,12 @@
 
 DeepSeek-V3.2 shapes: the sparse decode attention reads top-2048 latent rows
 (576 values, d_v 512) per request for H query heads; the decode indexer scores
-every cached index key (128 values) with 64 heads. Each row names its binding
-bound: the attention at H = 128 is a [128 x 576].[576 x 2048] product per request
-(compute), at H = 16 it reads 2048 records for a sixteenth of the work (bytes at
-copy bandwidth); the indexer does 2 * 64 * 128 FLOPs per 132-byte FP8 key (compute).
+every cached index key (128 values) with 64 heads. Each row is compared with
+its binding bound on the machine at hand (``ceiling="binding"``): its FLOPs at the
+compute ceiling or its bytes at copy bandwidth, whichever takes longer. The attention
+at H = 128 is a [128 x 576].[576 x 2048] product per request (242 FLOP per bf16
+record byte: compute); at H = 16 a sixteenth of that work over the same bytes; the
+indexer does 2 * 64 * 128 FLOPs per 132-byte FP8 key.
 
 Peers: ``naive`` gathers the selected rows (dsa_cache_gather) and runs torch's
 softmax attention / score + topk; ``gather_prefill`` is the path a DsaCache decode
@@ -91,12 +93,10 @@ def attention_case(H: int, ctx: int, B: int, cache_dtype: str, topk: int = 2048,
         del impls[TODAY]
         skip[TODAY] = "reads every cached row of every request (B x context rows per step): small cases only"
     record = cache_token_bytes(D, rope, cache_dtype)
-    bound = "compute" if H >= 64 else "copy_bw"
     return Case(name=f"sparse_attention_decode/{cache_dtype}/H{H}/ctx{ctx // 1024}K/B{B}/K{topk}",
                 setup=setup, impls=impls, skip=skip, flops=2.0 * B * H * topk * (D + dv),
-                bytes_moved=float(B * topk * record), ceiling=bound, dtype="bf16", quick=quick,
-                note=(f"bound: {'FLOPs' if bound == 'compute' else 'bytes read'} "
-                      f"({2 * H * (D + dv) / record:.0f} FLOP per byte of {record}-byte records)"))
+                bytes_moved=float(B * topk * record), ceiling="binding", dtype="bf16", quick=quick,
+                note=f"{2 * H * (D + dv) / record:.0f} FLOP per byte of {record}-byte records")
 
 
 def indexer_case(ctx: int, B: int, next_n: int, cache_dtype: str = "fp8", Hi: int = 64, Di: int = 128,
@@ -133,9 +133,9 @@ def indexer_case(ctx: int, B: int, next_n: int, cache_dtype: str = "fp8", Hi: in
     impls = {FUSED: fused, NAIVE: naive, TODAY: today}
     return Case(name=f"indexer_decode/{cache_dtype}/Hi{Hi}/ctx{ctx // 1024}K/B{B}/n{next_n}",
                 setup=setup, impls=impls, flops=2.0 * B * next_n * Hi * Di * ctx,
-                bytes_moved=float(B * ctx * cache_token_bytes(Di, 0, cache_dtype)), ceiling="compute",
+                bytes_moved=float(B * ctx * cache_token_bytes(Di, 0, cache_dtype)), ceiling="binding",
                 dtype="bf16", quick=quick,
-                note="bound: FLOPs (2 * 64 * 128 per 132-byte key and row)")
+                note=f"{2 * next_n * Hi * Di / cache_token_bytes(Di, 0, cache_dtype):.0f} FLOP per key byte")
 
 
 CASES = (

@@ -1,0 +1,85 @@
+"""One decode step of a small DeepSeek-V3.2 (issue 46's model: 2 layers, hidden 512,
+16 heads, latent 512 + 64, 64 index heads x 128, index_topk 2048, bf16, batch 1,
+``patch(strict=True)``) after a prompt of each context length: median of 8 steps, per
+configuration: unpatched (transformers' cache), patched over transformers' cache, and
+patched over dsa's DsaCache (bf16, fp8).
+
+    python tools/decode_step.py [--contexts 1k,4k,16k] [--steps 8] [--json build/decode_step.json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+from dsa._child import parse_token_counts  # noqa: E402
+from dsa.integrations.transformers import DsaCache, fallback_counts, patch  # noqa: E402
+
+
+def model(max_tokens: int):
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+    cfg = DeepseekV32Config(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+                            num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=16,
+                            num_key_value_heads=16, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128,
+                            qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128,
+                            index_topk=2048, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
+                            max_position_embeddings=max(4096, max_tokens), torch_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    return DeepseekV32ForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def step_ms(m, ids, cache, steps: int) -> float:
+    with torch.no_grad():
+        out = m(ids, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        tok = out.logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            out = m(tok, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t)
+            tok = out.logits[:, -1:].argmax(-1)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="1k,4k,16k")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--unpatched-max", type=int, default=4096, help="longest context for the unpatched model")
+    ap.add_argument("--json", default="build/decode_step.json")
+    args = ap.parse_args(argv)
+    contexts = parse_token_counts(args.contexts)
+    base = model(max(contexts) + args.steps + 1)
+    patched = patch(copy.deepcopy(base), strict=True)
+    rows = []
+    print("| context | unpatched | patched, transformers' cache | DsaCache bf16 | DsaCache fp8 |")
+    print("|---|---|---|---|---|")
+    for ctx in contexts:
+        ids = torch.randint(1, 1024, (1, ctx), generator=torch.Generator().manual_seed(ctx))
+        from transformers import DynamicCache
+        r = {"context": ctx}
+        r["unpatched"] = (step_ms(base, ids, DynamicCache(config=base.config), args.steps)
+                          if ctx <= args.unpatched_max else None)
+        r["patched_transformers_cache"] = step_ms(patched, ids, DynamicCache(config=base.config), args.steps)
+        for dt in ("bf16", "fp8"):
+            r[f"dsa_cache_{dt}"] = step_ms(patched, ids, DsaCache(patched.config, cache_dtype=dt), args.steps)
+        rows.append(r)
+        cell = lambda v: "-" if v is None else f"{v:.1f} ms"  # noqa: E731
+        print(f"| {ctx} | {cell(r['unpatched'])} | {cell(r['patched_transformers_cache'])} | "
+              f"{cell(r['dsa_cache_bf16'])} | {cell(r['dsa_cache_fp8'])} |", flush=True)
+    assert fallback_counts(patched) == {}, fallback_counts(patched)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
