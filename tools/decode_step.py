@@ -49,11 +49,47 @@ def step_ms(m, ids, cache, steps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def synthetic_cache(m, ctx: int, cache_dtype: str) -> DsaCache:
+    """A DsaCache holding ``ctx`` random tokens per layer, written with dsa_cache_write
+    instead of a prefill (a step's cost does not depend on what the rows hold; a 64K
+    prefill of this model takes minutes, mostly its indexer's T^2 scores)."""
+    cfg = m.config
+    cache = DsaCache(cfg, cache_dtype=cache_dtype, capacity_tokens=ctx + 64)
+    g = torch.Generator().manual_seed(ctx)
+    latent, rope, index = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
+    pos = torch.arange(ctx).view(1, -1)
+    for layer in cache.layers:
+        layer.start(1, latent, rope, index, torch.bfloat16)
+        for stream, dim in ((layer.latent, latent), (layer.index_keys, index)):
+            stream.reserve([ctx])
+            for lo in range(0, ctx, 8192):  # in chunks: the fp32 rows of 64K tokens are 150 MB
+                hi = min(ctx, lo + 8192)
+                stream.write(pos[:, lo:hi], torch.randn(1, hi - lo, dim, generator=g).bfloat16())
+        layer.lengths, layer.columns = [ctx], ctx
+    return cache
+
+
+def synthetic_step_ms(m, ctx: int, cache_dtype: str, steps: int) -> float:
+    cache = synthetic_cache(m, ctx, cache_dtype)
+    tok = torch.ones(1, 1, dtype=torch.long)
+    times = []
+    with torch.no_grad():
+        for _ in range(steps + 1):
+            t = time.perf_counter()
+            out = m(tok, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t)
+            tok = out.logits[:, -1:].argmax(-1)
+    return 1e3 * statistics.median(times[1:])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", default="1k,4k,16k")
+    ap.add_argument("--contexts", default="1k,4k,16k,64k")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--unpatched-max", type=int, default=4096, help="longest context for the unpatched model")
+    ap.add_argument("--synthetic-from", type=int, default=32768,
+                    help="from this context on, DsaCache rows are written at random instead of prefilled, "
+                         "and only the DsaCache configurations run")
     ap.add_argument("--json", default="build/decode_step.json")
     args = ap.parse_args(argv)
     contexts = parse_token_counts(args.contexts)
@@ -65,15 +101,20 @@ def main(argv=None) -> int:
     for ctx in contexts:
         ids = torch.randint(1, 1024, (1, ctx), generator=torch.Generator().manual_seed(ctx))
         from transformers import DynamicCache
-        r = {"context": ctx}
-        r["unpatched"] = (step_ms(base, ids, DynamicCache(config=base.config), args.steps)
-                          if ctx <= args.unpatched_max else None)
-        r["patched_transformers_cache"] = step_ms(patched, ids, DynamicCache(config=base.config), args.steps)
-        for dt in ("bf16", "fp8"):
-            r[f"dsa_cache_{dt}"] = step_ms(patched, ids, DsaCache(patched.config, cache_dtype=dt), args.steps)
+        r = {"context": ctx, "synthetic": ctx >= args.synthetic_from}
+        if r["synthetic"]:
+            r["unpatched"] = r["patched_transformers_cache"] = None
+            for dt in ("bf16", "fp8"):
+                r[f"dsa_cache_{dt}"] = synthetic_step_ms(patched, ctx, dt, args.steps)
+        else:
+            r["unpatched"] = (step_ms(base, ids, DynamicCache(config=base.config), args.steps)
+                              if ctx <= args.unpatched_max else None)
+            r["patched_transformers_cache"] = step_ms(patched, ids, DynamicCache(config=base.config), args.steps)
+            for dt in ("bf16", "fp8"):
+                r[f"dsa_cache_{dt}"] = step_ms(patched, ids, DsaCache(patched.config, cache_dtype=dt), args.steps)
         rows.append(r)
         cell = lambda v: "-" if v is None else f"{v:.1f} ms"  # noqa: E731
-        print(f"| {ctx} | {cell(r['unpatched'])} | {cell(r['patched_transformers_cache'])} | "
+        print(f"| {ctx}{' (rows written, no prefill)' if r['synthetic'] else ''} | {cell(r['unpatched'])} | {cell(r['patched_transformers_cache'])} | "
               f"{cell(r['dsa_cache_bf16'])} | {cell(r['dsa_cache_fp8'])} |", flush=True)
     assert fallback_counts(patched) == {}, fallback_counts(patched)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

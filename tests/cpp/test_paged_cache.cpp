@@ -14,8 +14,10 @@
 #include <vector>
 
 #include "core/fp8.h"
+#include "cpu/paged_cache/dequant.h"
 #include "dsa/error.h"
 #include "dsa/paged_cache.h"
+#include "isa_paths.h"
 
 namespace {
 
@@ -295,3 +297,24 @@ TEST(PagedCache, ValidationReadsOnlyTheColumnsACallTouches) {
 }
 
 }  // namespace
+
+// The decode kernels' FP8 -> bf16 pass: every ISA kernel writes the portable
+// kernel's bits (core::float_to_bf16 of table * scale) for all 256 codes, at
+// scales from tiny to huge and NaN.
+TEST(PagedCache, Fp8ToBf16KernelsAgreeOnEveryCode) {
+  std::vector<std::uint8_t> codes(256 + 7);
+  for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<std::uint8_t>(i * 37 + 11);
+  for (int c = 0; c < 256; ++c) codes[c] = static_cast<std::uint8_t>(c);
+  const auto& portable = dsa::cpu::dequant::portable_kernel();
+  for (float scale : {1.0f, 0x1p-126f, 0x1p-4f, 0x1p20f, 0x1p120f, std::numeric_limits<float>::quiet_NaN()}) {
+    std::vector<std::uint16_t> want(codes.size()), got(codes.size());
+    portable.run(codes.data(), static_cast<std::int64_t>(codes.size()), scale, want.data());
+    for (dsa::core::Isa isa : dsa_testing::distinct_paths()) {
+      dsa_testing::IsaLimit limit(isa);
+      const auto& kernel = dsa::cpu::dequant::pick_fp8_to_bf16();
+      std::fill(got.begin(), got.end(), 0);
+      kernel.run(codes.data(), static_cast<std::int64_t>(codes.size()), scale, got.data());
+      EXPECT_EQ(got, want) << kernel.name << " scale " << scale;
+    }
+  }
+}

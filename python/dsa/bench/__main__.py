@@ -116,9 +116,8 @@ def main(argv=None) -> int:
     isa, peaks = machine["isa"], set(_C.peak_kernels())
     ceilings, sizes = measure_ceilings(threads, probe, args.gemm_size)
     results, used = [], []
+    cases = [binding_case(c, ceilings, isa, probe["native"], peaks) if c.ceiling == "binding" else c for c in cases]
     for case in cases:
-        if case.ceiling == "binding":
-            case = binding_case(case, ceilings, isa, probe["native"], peaks)
         work, dtype = work_of(case)
         key = choose_ceiling(work, dtype, isa, probe["native"], peaks)
         label = ceiling_label(key, isa)

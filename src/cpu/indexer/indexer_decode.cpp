@@ -23,6 +23,7 @@
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/indexer/row_topk.h"
+#include "cpu/paged_cache/dequant.h"
 #include "cpu/indexer/score_kernels.h"
 #include "cpu/select.h"
 #include "ops/indexer_decode.h"
@@ -48,7 +49,7 @@ struct Task {
 
 struct ThreadScratch {
   core::ScratchVector<std::uint8_t> packed_query, key_scratch, tile_keys;
-  std::vector<float> query, weights, tile, token;
+  std::vector<float> query, weights, tile;
   std::vector<std::int32_t> positions;
   std::vector<std::uint32_t> keys, boundary;
 };
@@ -71,6 +72,7 @@ void indexer_decode(const IndexerDecodeProblem& p) {
                         reinterpret_cast<std::uintptr_t>(p.keys.data) % kes == 0;
   const ScoreKernel& kernel = pick_score_kernel(kdt);
   const AppendCandidatesFn append = select_kernel(kFilters, kdt).append;
+  const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
 
   // Segments per request, from the problem alone.
   const std::int64_t max_segments = std::clamp<std::int64_t>((kTargetTasks + p.batch - 1) / p.batch, 1, kMaxSegments);
@@ -107,7 +109,6 @@ void indexer_decode(const IndexerDecodeProblem& p) {
     s.query.resize(p.dtype == kdt ? 0 : kQueryBlock * H * D);
     s.weights.resize(kQueryBlock * H);
     s.tile.resize(kQueryBlock * kKeyTile);
-    s.token.resize(D);
     s.positions.resize(kQueryBlock * capacity);
     s.keys.resize(kQueryBlock * capacity);
     s.boundary.resize(std::max(capacity, max_segments * topk));
@@ -151,13 +152,9 @@ void indexer_decode(const IndexerDecodeProblem& p) {
         keys.keys = p.keys.token(p.table.slot(b, k0));
       } else {
         for (std::int64_t k = 0; k < n; ++k) {
-          core::decode_token(p.keys, p.keys.token(p.table.slot(b, k0 + k)), s.token.data());
-          if (kdt == DType::f32) {
-            std::memcpy(tile_keys + k * D * kes, s.token.data(), D * sizeof(float));
-          } else {
-            auto* d16 = reinterpret_cast<std::uint16_t*>(tile_keys + k * D * kes);
-            for (std::int64_t d = 0; d < D; ++d) d16[d] = core::float_to_bf16(s.token[d]);
-          }
+          const std::uint8_t* rec = p.keys.token(p.table.slot(b, k0 + k));
+          if (kdt == DType::f32) core::decode_token(p.keys, rec, reinterpret_cast<float*>(tile_keys + k * D * kes));
+          else dequant::record_to_bf16(p.keys, rec, reinterpret_cast<std::uint16_t*>(tile_keys + k * D * kes), to_bf16);
         }
       }
       keys.count = n;

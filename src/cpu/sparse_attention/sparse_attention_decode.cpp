@@ -23,6 +23,7 @@
 #include "core/memory.h"
 #include "core/numeric.h"
 #include "core/thread_pool.h"
+#include "cpu/paged_cache/dequant.h"
 #include "cpu/sparse_attention/attention_kernels.h"
 #include "ops/sparse_attention_decode.h"
 
@@ -124,7 +125,7 @@ struct ThreadScratch {
   std::vector<const std::uint8_t*> records;  // the row's attended records, in order
   std::vector<const char*> main;             // one piece's key rows as the kernel reads them
   core::ScratchVector<std::uint8_t> decoded; // [kMaxPiece][dim] in the kernel dtype
-  std::vector<float> query, token, piece_o, piece_m, piece_s;
+  std::vector<float> query, piece_o, piece_m, piece_s;
   void* aligned() {
     return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(kernel.data()) + 63) & ~std::uintptr_t(63));
   }
@@ -152,6 +153,7 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
   };
   const bool kv_in_place = in_place(p.kv), cmp_in_place = !p.has_cmp || in_place(p.cmp);
   const AttentionKernel& kernel = pick_forward_kernel(kdt);
+  const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
   Shape shape{kdt, H, D, 0, dv, p.scale};
   Shape partial_shape = shape;
   partial_shape.out_fp32 = true;
@@ -189,7 +191,6 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
     s.main.resize(std::min(max_keys, kMaxPiece));
     if (!kv_in_place || !cmp_in_place) s.decoded.resize(static_cast<std::size_t>(kMaxPiece * D) * kes);
     s.query.resize(p.dtype == kdt ? 0 : H * D);
-    s.token.resize(D);
     s.piece_o.resize(H * dv);
     s.piece_m.resize(H);
     s.piece_s.resize(H);
@@ -233,13 +234,9 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
         }
         // Dequantised once for every head.
         char* dst = reinterpret_cast<char*>(s.decoded.data()) + k * D * kes;
-        core::decode_token(compressed ? p.cmp : p.kv, rec, s.token.data());
-        if (kdt == DType::f32) {
-          std::memcpy(dst, s.token.data(), D * sizeof(float));
-        } else {
-          auto* d16 = reinterpret_cast<std::uint16_t*>(dst);
-          for (std::int64_t d = 0; d < D; ++d) d16[d] = core::float_to_bf16(s.token[d]);
-        }
+        const core::PagedCache& cache = compressed ? p.cmp : p.kv;
+        if (kdt == DType::f32) core::decode_token(cache, rec, reinterpret_cast<float*>(dst));
+        else dequant::record_to_bf16(cache, rec, reinterpret_cast<std::uint16_t*>(dst), to_bf16);
         s.main[k] = dst;
       }
       const KeyRows keys{s.main.data(), nullptr, n};

@@ -1,0 +1,56 @@
+// Records to bf16: the portable kernel, the selection and the record walk (dequant.h).
+#include "cpu/paged_cache/dequant.h"
+
+#include <cstring>
+
+#include "core/numeric.h"
+#include "cpu/select.h"
+
+namespace dsa::cpu::dequant {
+namespace {
+
+void run_portable(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) {
+  const std::array<float, 256>& table = core::e4m3_table();
+  for (std::int64_t i = 0; i < n; ++i) out[i] = core::float_to_bf16(table[codes[i]] * scale);
+}
+
+constexpr Candidate<Fp8ToBf16, int> kKernels[] = {
+    {core::Isa::avx512, avx512_kernel},
+    {core::Isa::portable, portable_kernel},
+};
+
+}  // namespace
+
+const Fp8ToBf16& portable_kernel() {
+  static const Fp8ToBf16 kernel{"portable", run_portable};
+  return kernel;
+}
+
+const Fp8ToBf16& pick_fp8_to_bf16() { return select_kernel(kKernels, 0); }
+
+void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, std::uint16_t* out,
+                    const Fp8ToBf16& kernel) {
+  const CacheLayout& l = cache.layout;
+  if (l.dtype == CacheDType::bf16) {
+    std::memcpy(out, record, 2 * l.dim);
+    return;
+  }
+  if (l.dtype == CacheDType::f32) {
+    for (std::int64_t i = 0; i < l.dim; ++i) {
+      float v;
+      std::memcpy(&v, record + 4 * i, 4);
+      out[i] = core::float_to_bf16(v);
+    }
+    return;
+  }
+  const std::int64_t nq = cache.quantised_dim(), groups = cache.scale_groups();
+  for (std::int64_t g = 0; g < groups; ++g) {
+    float scale;
+    std::memcpy(&scale, record + nq + 4 * g, 4);
+    const std::int64_t i0 = g * kCacheScaleGroup, i1 = std::min(nq, i0 + kCacheScaleGroup);
+    kernel.run(record + i0, i1 - i0, scale, out + i0);
+  }
+  std::memcpy(out + nq, record + nq + 4 * groups, 2 * l.rope_dim);  // the RoPE part: bf16 already
+}
+
+}  // namespace dsa::cpu::dequant

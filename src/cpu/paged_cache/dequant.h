@@ -1,0 +1,29 @@
+// Records to bf16 for the decode kernels: an FP8 record's codes times their
+// power-of-two scales are bf16 values exactly, so a decode kernel scores FP8
+// keys with the bf16 kernels after this one pass per key (every head then
+// reads the bf16 row). One kernel per ISA (cpu/select.h); all write the bits
+// core::float_to_bf16 gives for e4m3_table()[code] * scale, NaN included.
+#pragma once
+
+#include <cstdint>
+
+#include "core/paged_cache.h"
+
+namespace dsa::cpu::dequant {
+
+struct Fp8ToBf16 {
+  const char* name;
+  // out[i] = bf16(e4m3(codes[i]) * scale) for i < n.
+  void (*run)(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out);
+};
+
+const Fp8ToBf16& portable_kernel();
+const Fp8ToBf16& avx512_kernel();
+// The best this CPU runs.
+const Fp8ToBf16& pick_fp8_to_bf16();
+
+// A bf16 or FP8 record of `cache` as `dim` bf16 values (fp32 records: rounded).
+void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, std::uint16_t* out,
+                    const Fp8ToBf16& kernel);
+
+}  // namespace dsa::cpu::dequant
