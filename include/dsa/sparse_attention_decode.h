@@ -5,11 +5,13 @@
 // Request b holds context_lens[b] tokens; its row j (of next_n >= 1) is raw
 // position p(b, j) = context_lens[b] - next_n + j. Attended set of a row:
 //   raw part, from kv_cache: `indices` if given (positions, e.g. the decode
-//     indexer's top-k; entries < 0 and, with topk_lens, entries at or past
-//     topk_lens[b] are skipped, and so is a position > p(b, j)), else the
+//     indexer's top-k; -1 and, with topk_lens, entries at or past topk_lens[b]
+//     are skipped, and so is a position > p(b, j); a used entry outside
+//     [-1, context_lens[b]) is an error naming it), else the
 //     band p(b, j) - window + 1 .. p(b, j) (window 0: every token, dense);
 //   compressed part (V4, cmp_cache given): `cmp_indices` if given (CSA:
-//     positions in the compressed stream), else every visible entry (HCA);
+//     positions in the compressed stream, in [-1, context_lens[b] / cmp_ratio),
+//     entries not yet visible to the row skipped), else every visible entry (HCA);
 //     entry w is visible to a row when w < (p(b, j) + 1) / cmp_ratio, and the
 //     cache holds context_lens[b] / cmp_ratio entries.
 // A key is the whole cached token (dim values: 512 latent + 64 RoPE for V3.2),

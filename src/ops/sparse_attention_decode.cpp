@@ -148,6 +148,17 @@ SparseAttentionDecodeProblem set_up(const SparseAttentionDecodeInputs& in, const
   for (std::int64_t b = 0; b < p.batch; ++b) {
     const std::int64_t ctx = p.context_lens[b];
     if (p.indices) {
+      // A position the request does not hold is a caller's mistake (a global
+      // slot for a position, say), never skipped in silence; -1 marks "none",
+      // and a position after the row is causally masked (one index list can
+      // serve next_n rows).
+      for (std::int64_t j = 0; j < p.next_n; ++j) {
+        const std::int32_t* idx = p.indices + b * p.idx_batch_stride + j * p.idx_row_stride;
+        for (std::int64_t k = 0; k < p.topk_lens[b]; ++k)
+          if (idx[k] < -1 || idx[k] >= ctx)
+            fail_argument("indices[", b, ", ", j, ", ", k, "] = ", idx[k], ": expected a position in [0, context_lens[",
+                          b, "] = ", ctx, ") or -1");
+      }
       for (std::int64_t j = 0; j < p.next_n; ++j)
         p.for_each_attended(b, j, [&](bool compressed, std::int64_t pos) {
           if (compressed) return;
@@ -165,6 +176,11 @@ SparseAttentionDecodeProblem set_up(const SparseAttentionDecodeInputs& in, const
       for (std::int64_t j = 0; j < p.next_n; ++j) {
         const std::int32_t* idx = p.cmp_indices + b * p.cidx_batch_stride + j * p.cidx_row_stride;
         const std::int64_t visible = p.cmp_visible(b, j);
+        for (std::int64_t k = 0; k < p.cmp_topk; ++k) {
+          if (idx[k] < -1 || idx[k] >= held)
+            fail_argument("cmp_indices[", b, ", ", j, ", ", k, "] = ", idx[k],
+                          ": expected a compressed entry in [0, context_lens[", b, "] / cmp_ratio = ", held, ") or -1");
+        }
         for (std::int64_t k = 0; k < p.cmp_topk; ++k)
           if (idx[k] >= 0 && idx[k] < visible) {
             require_covered(p.cmp_table, b, idx[k], idx[k] + 1, "cmp_indices");

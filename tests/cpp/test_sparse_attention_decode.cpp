@@ -42,8 +42,10 @@ Result run(const Case& c, dsa::Backend backend, int threads) {
   std::mt19937 rng(4);
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t i = 0; i < c.next_n * topk; ++i)
-      idx[b * c.next_n * topk + i] = static_cast<std::int32_t>(rng() % (lens[b] + 2)) - 1;
-  for (auto& x : cidx) x = static_cast<std::int32_t>(rng() % 480) - 1;
+      idx[b * c.next_n * topk + i] = static_cast<std::int32_t>(rng() % (lens[b] + 1)) - 1;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t i = 0; i < c.next_n * 40; ++i)
+      cidx[b * c.next_n * 40 + i] = static_cast<std::int32_t>(rng() % (lens[b] / ratio + 1)) - 1;
   std::vector<std::int64_t> ctx = lens;
   std::vector<float> sinks(H);
   for (std::int64_t h = 0; h < H; ++h) sinks[h] = 0.25f * static_cast<float>(h) - 2.0f;

@@ -132,7 +132,8 @@ def test_sparse_attention_decode_against_prefill_oracle_and_reference(mode, cach
     kw = dict(scale=D ** -0.5, d_v=dv, rope_dim=rope, cache_dtype=cache_dtype)
     idx = topk_lens = cmp_cache = cmp_table = cmp_idx = sinks = None
     if mode == "v32_sparse":
-        idx = torch.stack([torch.randint(-1, c + 2, (next_n, topk), generator=g, dtype=torch.int32) for c in ctx])
+        idx = torch.stack([torch.randint(-1, c, (next_n, topk), generator=g, dtype=torch.int32) for c in ctx])
+        idx[1, :, -3:] = 10 ** 6  # past topk_lens[1]: never read
         topk_lens = torch.tensor([topk, topk - 7, topk], dtype=torch.int32)
         kw.update(indices=idx, topk_lens=topk_lens)
     if mode == "window" or v4:
@@ -143,7 +144,7 @@ def test_sparse_attention_decode_against_prefill_oracle_and_reference(mode, cach
         sinks = torch.randn(H, generator=g)
         kw.update(cmp_cache=cmp_cache, cmp_block_table=cmp_table, cmp_ratio=ratio, sinks=sinks)
         if mode == "v4_csa":
-            cmp_idx = torch.stack([torch.randint(-1, c // ratio + 1, (next_n, 12), generator=g, dtype=torch.int32)
+            cmp_idx = torch.stack([torch.randint(-1, c // ratio, (next_n, 12), generator=g, dtype=torch.int32)
                                    for c in ctx])
             kw.update(cmp_indices=cmp_idx)
     out, lse = dsa_sparse_attention_decode(q, cache, table, lens, **kw)
@@ -236,6 +237,16 @@ def test_decode_errors_name_the_argument():
     with pytest.raises(ValueError, match="window"):
         dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, window=4,
                                     indices=torch.zeros(1, 1, 2, dtype=torch.int32))
+    # A position the request does not hold (a global slot passed as a position, say).
+    with pytest.raises(ValueError, match=r"indices\[0, 0, 1\] = 40"):
+        dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0,
+                                    indices=torch.tensor([[[3, 40]]], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"indices\[0, 0, 0\] = -2"):
+        dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0,
+                                    indices=torch.tensor([[[-2, 4]]], dtype=torch.int32))
+    # Past topk_lens the entries are not read.
+    dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, indices=torch.tensor([[[3, 40]]], dtype=torch.int32),
+                                topk_lens=torch.tensor([1], dtype=torch.int32))
     w = torch.rand(1, 1, 4).bfloat16()
     with pytest.raises(ValueError, match="context_lens"):
         dsa_indexer_decode(q, w, cache, table, torch.tensor([80], dtype=torch.int32), topk=4)

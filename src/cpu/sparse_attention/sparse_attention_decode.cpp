@@ -32,7 +32,10 @@ namespace {
 
 using namespace attention_kernels;
 
-constexpr std::int64_t kTargetTasks = 32;  // what a call's splits aim for (more than any core count here)
+// What a call's splits aim for: rows are split only while there are fewer than
+// this many (a batch of 16 rows then runs each row whole, in place, with no
+// partials to merge; a batch of one is cut into pieces for every core).
+constexpr std::int64_t kTargetTasks = 16;
 constexpr std::int64_t kMaxGroups = 16;
 // A piece repacks the query (H x D) and merges an H x d_v partial: under ~512
 // keys that overhead rivals the piece's own work at H = 128 (measured: 128-key
