@@ -1,8 +1,9 @@
 """One decode step of a small DeepSeek-V3.2 (issue 46's model: 2 layers, hidden 512,
 16 heads, latent 512 + 64, 64 index heads x 128, index_topk 2048, bf16, batch 1,
 ``patch(strict=True)``) after a prompt of each context length: median of 8 steps, per
-configuration: unpatched (transformers' cache), patched over transformers' cache, and
-patched over dsa's DsaCache (bf16, fp8).
+configuration: unpatched (transformers' cache), patched over transformers' cache,
+patched over dsa's DsaCache as it ran before the decode ops (gather + prefill ops), and
+patched over DsaCache on the decode ops (bf16, fp8).
 
     python tools/decode_step.py [--contexts 1k,4k,16k] [--steps 8] [--json build/decode_step.json]
 """
@@ -82,6 +83,19 @@ def synthetic_step_ms(m, ctx: int, cache_dtype: str, steps: int) -> float:
     return 1e3 * statistics.median(times[1:])
 
 
+class _GatherPath:
+    """The DsaCache step as it ran before the decode ops (every cached row gathered,
+    then the prefill ops): the patch's decode branch switched off for the block."""
+
+    def __enter__(self):
+        from dsa.integrations.transformers import _v32
+        self.saved, _v32.DECODE_MAX_ROWS = _v32.DECODE_MAX_ROWS, 0
+
+    def __exit__(self, *exc):
+        from dsa.integrations.transformers import _v32
+        _v32.DECODE_MAX_ROWS = self.saved
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1k,4k,16k,64k")
@@ -96,8 +110,9 @@ def main(argv=None) -> int:
     base = model(max(contexts) + args.steps + 1)
     patched = patch(copy.deepcopy(base), strict=True)
     rows = []
-    print("| context | unpatched | patched, transformers' cache | DsaCache bf16 | DsaCache fp8 |")
-    print("|---|---|---|---|---|")
+    print("| context | unpatched | patched, transformers' cache | DsaCache bf16, gather + prefill ops (before) "
+          "| DsaCache bf16 | DsaCache fp8 |")
+    print("|---|---|---|---|---|---|")
     for ctx in contexts:
         ids = torch.randint(1, 1024, (1, ctx), generator=torch.Generator().manual_seed(ctx))
         from transformers import DynamicCache
@@ -106,7 +121,12 @@ def main(argv=None) -> int:
             r["unpatched"] = r["patched_transformers_cache"] = None
             for dt in ("bf16", "fp8"):
                 r[f"dsa_cache_{dt}"] = synthetic_step_ms(patched, ctx, dt, args.steps)
+            with _GatherPath():
+                r["dsa_cache_bf16_gather"] = synthetic_step_ms(patched, ctx, "bf16", args.steps)
         else:
+            with _GatherPath():
+                r["dsa_cache_bf16_gather"] = step_ms(patched, ids, DsaCache(patched.config, cache_dtype="bf16"),
+                                                     args.steps)
             r["unpatched"] = (step_ms(base, ids, DynamicCache(config=base.config), args.steps)
                               if ctx <= args.unpatched_max else None)
             r["patched_transformers_cache"] = step_ms(patched, ids, DynamicCache(config=base.config), args.steps)
@@ -115,7 +135,7 @@ def main(argv=None) -> int:
         rows.append(r)
         cell = lambda v: "-" if v is None else f"{v:.1f} ms"  # noqa: E731
         print(f"| {ctx}{' (rows written, no prefill)' if r['synthetic'] else ''} | {cell(r['unpatched'])} | {cell(r['patched_transformers_cache'])} | "
-              f"{cell(r['dsa_cache_bf16'])} | {cell(r['dsa_cache_fp8'])} |", flush=True)
+              f"{cell(r['dsa_cache_bf16_gather'])} | {cell(r['dsa_cache_bf16'])} | {cell(r['dsa_cache_fp8'])} |", flush=True)
     assert fallback_counts(patched) == {}, fallback_counts(patched)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))

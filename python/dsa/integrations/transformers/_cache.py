@@ -41,19 +41,20 @@ class PagedStream:
         blocks = batch * math.ceil(capacity_tokens / block_size)
         self.cache = new_paged_cache(blocks, dim, rope_dim=rope_dim, dtype=cache_dtype, block_size=block_size)
         self.table = torch.full((batch, 0), -1, dtype=torch.int32)
+        self.filled = [0] * batch  # leading columns of each request's row that hold a block
         self.used_blocks = 0
 
     def reserve(self, lengths: list) -> None:
-        """Blocks for the first ``lengths[b]`` tokens of every request."""
+        """Blocks for the first ``lengths[b]`` tokens of every request. Only columns past
+        a request's filled ones are visited: a decode step costs O(1) here, not a walk
+        over the request's whole table (which, in Python, cost ~10 ms a step at 64K)."""
         cols = max([math.ceil(n / self.block_size) for n in lengths] + [0])
         if cols > self.table.shape[1]:
             pad = torch.full((self.table.shape[0], cols - self.table.shape[1]), -1, dtype=torch.int32)
             self.table = torch.cat([self.table, pad], dim=1)
         missing = []
         for b, n in enumerate(lengths):
-            for c in range(math.ceil(n / self.block_size)):
-                if self.table[b, c] < 0:
-                    missing.append((b, c))
+            missing += [(b, c) for c in range(self.filled[b], math.ceil(n / self.block_size))]
         if not missing:
             return
         need = self.used_blocks + len(missing)
@@ -65,6 +66,7 @@ class PagedStream:
         for b, c in missing:
             self.table[b, c] = self.used_blocks
             self.used_blocks += 1
+            self.filled[b] = c + 1
 
     def write(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         dsa_cache_write(self.cache, self.table, positions, values, rope_dim=self.rope_dim, dtype=self.cache_dtype)
@@ -150,6 +152,7 @@ class DsaV32Layer(CacheLayerMixin):
         keep = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
         for stream in (self.latent, self.index_keys):
             stream.table = stream.table[keep].contiguous()
+            stream.filled = [stream.filled[i] for i in keep]
         self.lengths = [self.lengths[i] for i in keep]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
