@@ -282,7 +282,9 @@ class Arena {
     const std::int64_t esize = static_cast<std::int64_t>(dsa::dtype_size(v.dtype));
     // An overflowing extent gets a small real buffer: only the library's
     // validation may look at it, and any access beyond it is an ASan report.
-    const std::int64_t bytes = n < 0 ? 64 : n * esize;
+    // (A count above what an input may allocate is only compared, never multiplied:
+    // n * esize plus the offset overflowed for n near INT64_MAX, fuzz_decode 2026-12-06.)
+    const std::int64_t bytes = n < 0 ? 64 : (n > kMaxInputBytes / esize ? kMaxInputBytes + 1 : n * esize);
     const std::int64_t offset = in_.rare(8) ? 1 : 0;  // element-aligned, not vector-aligned
     if (bytes + offset * esize > kMaxInputBytes - used_) return false;
     used_ += bytes + offset * esize;
