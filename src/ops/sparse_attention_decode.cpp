@@ -154,17 +154,15 @@ SparseAttentionDecodeProblem set_up(const SparseAttentionDecodeInputs& in, const
       // serve next_n rows).
       for (std::int64_t j = 0; j < p.next_n; ++j) {
         const std::int32_t* idx = p.indices + b * p.idx_batch_stride + j * p.idx_row_stride;
-        for (std::int64_t k = 0; k < p.topk_lens[b]; ++k)
+        for (std::int64_t k = 0; k < p.topk_lens[b]; ++k) {
           if (idx[k] < -1 || idx[k] >= ctx)
             fail_argument("indices[", b, ", ", j, ", ", k, "] = ", idx[k], ": expected a position in [0, context_lens[",
                           b, "] = ", ctx, ") or -1");
+          if (idx[k] < 0 || idx[k] > p.position(b, j)) continue;  // not read
+          require_covered(p.kv_table, b, idx[k], idx[k] + 1, "indices");
+          require_in_ring(p.kv_table, b, idx[k], ctx, "indices");
+        }
       }
-      for (std::int64_t j = 0; j < p.next_n; ++j)
-        p.for_each_attended(b, j, [&](bool compressed, std::int64_t pos) {
-          if (compressed) return;
-          require_covered(p.kv_table, b, pos, pos + 1, "indices");
-          require_in_ring(p.kv_table, b, pos, ctx, "indices");
-        });
     } else {
       const std::int64_t first = p.position(b, 0), lo = p.window > 0 ? std::max<std::int64_t>(0, first - p.window + 1) : 0;
       require_covered(p.kv_table, b, lo, ctx, "context_lens");
@@ -180,12 +178,10 @@ SparseAttentionDecodeProblem set_up(const SparseAttentionDecodeInputs& in, const
           if (idx[k] < -1 || idx[k] >= held)
             fail_argument("cmp_indices[", b, ", ", j, ", ", k, "] = ", idx[k],
                           ": expected a compressed entry in [0, context_lens[", b, "] / cmp_ratio = ", held, ") or -1");
+          if (idx[k] < 0 || idx[k] >= visible) continue;  // not read
+          require_covered(p.cmp_table, b, idx[k], idx[k] + 1, "cmp_indices");
+          require_in_ring(p.cmp_table, b, idx[k], held, "cmp_indices");
         }
-        for (std::int64_t k = 0; k < p.cmp_topk; ++k)
-          if (idx[k] >= 0 && idx[k] < visible) {
-            require_covered(p.cmp_table, b, idx[k], idx[k] + 1, "cmp_indices");
-            require_in_ring(p.cmp_table, b, idx[k], held, "cmp_indices");
-          }
       }
     } else {
       require_covered(p.cmp_table, b, 0, held, "context_lens");

@@ -125,7 +125,8 @@ struct Task {
 
 struct ThreadScratch {
   core::ScratchVector<std::uint8_t> kernel;  // dsa's allocator: a failure names its size
-  std::vector<const std::uint8_t*> records;  // the row's attended records, in order
+  std::vector<const std::uint8_t*> records;  // the task's attended records, in order
+  std::vector<std::uint8_t> compressed;      // per record: from cmp (read only when a cache is dequantised)
   std::vector<const char*> main;             // one piece's key rows as the kernel reads them
   core::ScratchVector<std::uint8_t> decoded; // [kMaxPiece][dim] in the kernel dtype
   std::vector<float> query, piece_o, piece_m, piece_s;
@@ -155,6 +156,7 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
            reinterpret_cast<std::uintptr_t>(c.data) % kes == 0;
   };
   const bool kv_in_place = in_place(p.kv), cmp_in_place = !p.has_cmp || in_place(p.cmp);
+  const bool dequantising = !kv_in_place || !cmp_in_place;
   const AttentionKernel& kernel = pick_forward_kernel(kdt);
   const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
   Shape shape{kdt, H, D, 0, dv, p.scale};
@@ -190,9 +192,8 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
   const std::int64_t max_keys = std::max<std::int64_t>(1, p.max_attended());
   for (auto& s : scratch) {
     s.kernel.resize(kernel.scratch_bytes(shape) + 64);
-    s.records.reserve(max_keys);
     s.main.resize(std::min(max_keys, kMaxPiece));
-    if (!kv_in_place || !cmp_in_place) s.decoded.resize(static_cast<std::size_t>(kMaxPiece * D) * kes);
+    if (dequantising) s.decoded.resize(static_cast<std::size_t>(kMaxPiece * D) * kes);
     s.query.resize(p.dtype == kdt ? 0 : H * D);
     s.piece_o.resize(H * dv);
     s.piece_m.resize(H);
@@ -205,13 +206,19 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
     const RowSplit& split = splits[task.row];
     ThreadScratch& s = scratch[thread];
 
-    // The row's records (and which cache each is from), then its query.
+    // The records of this task's keys [lo, hi) of the row (and which cache each
+    // is from), then its query.
+    const std::int64_t lo = split.first(task.group) * split.piece;
+    const std::int64_t hi = std::min(split.keys, split.end(task.group) * split.piece);
     s.records.clear();
-    std::vector<bool> compressed_flags;  // only read when a cache is dequantised
-    const bool need_flags = !kv_in_place || !cmp_in_place;
+    s.compressed.clear();
+    std::int64_t at = 0;
     p.for_each_attended(b, j, [&](bool compressed, std::int64_t pos) {
-      s.records.push_back(p.record(b, compressed, pos));
-      if (need_flags) compressed_flags.push_back(compressed);
+      if (at >= lo && at < hi) {
+        s.records.push_back(p.record(b, compressed, pos));
+        if (dequantising) s.compressed.push_back(compressed);
+      }
+      ++at;
     });
     const char* q = static_cast<const char*>(p.query) +
                     (b * p.q_batch_stride + j * p.q_row_stride) * static_cast<std::int64_t>(dtype_size(p.dtype));
@@ -227,10 +234,11 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
     if (!direct(task.row)) clear(acc, H, dv);
     const Partial piece{s.piece_o.data(), s.piece_m.data(), s.piece_s.data()};
     for (std::int64_t pc = split.first(task.group); pc < split.end(task.group); ++pc) {
-      const std::int64_t k0 = pc * split.piece, n = std::max<std::int64_t>(0, std::min(split.piece, split.keys - k0));
+      const std::int64_t k0 = pc * split.piece - lo;  // in this task's records
+      const std::int64_t n = std::max<std::int64_t>(0, std::min(split.piece, hi - lo - k0));
       for (std::int64_t k = 0; k < n; ++k) {
         const std::uint8_t* rec = s.records[k0 + k];
-        const bool compressed = need_flags && compressed_flags[k0 + k];
+        const bool compressed = dequantising && s.compressed[k0 + k];
         if (compressed ? cmp_in_place : kv_in_place) {
           s.main[k] = reinterpret_cast<const char*>(rec);
           continue;
