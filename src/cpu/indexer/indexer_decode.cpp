@@ -63,13 +63,9 @@ void* aligned64(core::ScratchVector<std::uint8_t>& v) {
 void indexer_decode(const IndexerDecodeProblem& p) {
   const std::int64_t rows = p.rows(), topk = p.topk, D = p.dim, H = p.heads;
   if (rows == 0) return;
-  const bool bf16_keys = p.keys.layout.dtype != CacheDType::f32;
-  const DType kdt = p.dtype == DType::bf16 && bf16_keys ? DType::bf16 : DType::f32;
+  const DType kdt = dequant::kernel_dtype(p.dtype, {&p.keys});
   const std::size_t kes = dtype_size(kdt), qes = dtype_size(p.dtype);
-  // (A cache tensor at an address its elements cannot sit at is copied.)
-  const bool in_place = ((kdt == DType::bf16 && p.keys.layout.dtype == CacheDType::bf16) ||
-                         (kdt == DType::f32 && p.keys.layout.dtype == CacheDType::f32)) &&
-                        reinterpret_cast<std::uintptr_t>(p.keys.data) % kes == 0;
+  const bool in_place = dequant::records_are_rows(p.keys, kdt);
   const ScoreKernel& kernel = pick_score_kernel(kdt);
   const AppendCandidatesFn append = select_kernel(kFilters, kdt).append;
   const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();

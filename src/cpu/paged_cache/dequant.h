@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "core/paged_cache.h"
 
@@ -21,6 +22,25 @@ const Fp8ToBf16& portable_kernel();
 const Fp8ToBf16& avx512_kernel();
 // The best this CPU runs.
 const Fp8ToBf16& pick_fp8_to_bf16();
+
+// The dtype a decode kernel computes in: bf16 for bf16 queries when every cache
+// stores bf16 or FP8 (FP8 values are bf16 values exactly), fp32 otherwise.
+inline DType kernel_dtype(DType query, std::initializer_list<const core::PagedCache*> caches) {
+  if (query != DType::bf16) return DType::f32;
+  for (const core::PagedCache* c : caches)
+    if (c && c->layout.dtype == CacheDType::f32) return DType::f32;
+  return DType::bf16;
+}
+
+// Whether the kernel reads `cache`'s records in place as rows of `kernel`
+// dtype: the storage is that dtype, and the tensor sits at an address its
+// elements can (a misaligned one is dequantised instead: the kernels load bf16
+// and fp32 elements as such).
+inline bool records_are_rows(const core::PagedCache& cache, DType kernel) {
+  const bool same = kernel == DType::bf16 ? cache.layout.dtype == CacheDType::bf16
+                                          : cache.layout.dtype == CacheDType::f32;
+  return same && reinterpret_cast<std::uintptr_t>(cache.data) % dtype_size(kernel) == 0;
+}
 
 // A bf16 or FP8 record of `cache` as `dim` bf16 values (fp32 records: rounded).
 void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, std::uint16_t* out,

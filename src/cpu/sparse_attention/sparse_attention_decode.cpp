@@ -140,22 +140,10 @@ struct ThreadScratch {
 void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
   const std::int64_t H = p.heads, D = p.dim, dv = p.d_v, rows = p.rows();
   if (rows == 0) return;
-  auto storage_dtype = [](const core::PagedCache& c) {
-    return c.layout.dtype == CacheDType::f32 ? DType::f32 : DType::bf16;  // FP8 -> bf16 exactly
-  };
-  const bool bf16_storage =
-      storage_dtype(p.kv) == DType::bf16 && (!p.has_cmp || storage_dtype(p.cmp) == DType::bf16);
-  const DType kdt = p.dtype == DType::bf16 && bf16_storage ? DType::bf16 : DType::f32;
+  const DType kdt = dequant::kernel_dtype(p.dtype, {&p.kv, p.has_cmp ? &p.cmp : nullptr});
   const std::size_t kes = dtype_size(kdt);
-  // In place: the record is the kernel's row (bf16 record for bf16, fp32 for fp32).
-  // (A cache tensor at an address its elements cannot sit at is copied: the
-  // kernels load bf16 and fp32 elements as such.)
-  auto in_place = [&](const core::PagedCache& c) {
-    return ((kdt == DType::bf16 && c.layout.dtype == CacheDType::bf16) ||
-            (kdt == DType::f32 && c.layout.dtype == CacheDType::f32)) &&
-           reinterpret_cast<std::uintptr_t>(c.data) % kes == 0;
-  };
-  const bool kv_in_place = in_place(p.kv), cmp_in_place = !p.has_cmp || in_place(p.cmp);
+  const bool kv_in_place = dequant::records_are_rows(p.kv, kdt),
+             cmp_in_place = !p.has_cmp || dequant::records_are_rows(p.cmp, kdt);
   const bool dequantising = !kv_in_place || !cmp_in_place;
   const AttentionKernel& kernel = pick_forward_kernel(kdt);
   const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
