@@ -40,6 +40,12 @@ struct Shape {
   // forward_row writes its output in fp32 whatever `dtype` (the decode op's
   // partial outputs over pieces of a row's keys, merged before one rounding).
   bool out_fp32 = false;
+  // forward_row rounds P to bf16 once for P.V (one bf16 product) instead of
+  // keeping it fp32 or split in two bf16 parts. Only the bf16 pair kernels
+  // read it; the others keep P in fp32. The decode op sets it: its output
+  // feeds no backward, and rounding P once is what the model's own bf16
+  // attention does (docs/serving.md).
+  bool bf16_p = false;
   std::int64_t qk_dim() const { return dim + rope_dim; }
 };
 
@@ -165,8 +171,11 @@ const AttentionKernel& avx512_bf16_kernel();
 const AttentionKernel& avx512_bf16_forward_kernel();
 
 // The forward kernel the fused backend picks for inputs of this dtype (the
-// prefill forward's and the decode op's choice, cpu/select.h).
+// prefill forward's choice, cpu/select.h).
 const AttentionKernel& pick_forward_kernel(DType dtype);
+// The decode op's choice: for bf16, the pair kernels (every product on bf16
+// dots, P rounded once when the shape says bf16_p).
+const AttentionKernel& pick_decode_kernel(DType dtype);
 
 // Tests only: at the avx512_bf16 level the bf16 forward runs avx512_bf16_kernel()'s
 // own, the AMX forward's algorithm, which otherwise only AMX CPUs run.

@@ -38,7 +38,7 @@ using namespace attention_kernels;
 
 constexpr std::int64_t kRowsPerTask = 4;
 
-enum class Pass { forward, backward };
+enum class Pass { forward, backward, decode };
 
 std::atomic<bool>& pair_forward_for_testing() {
   static std::atomic<bool> on{false};
@@ -56,10 +56,12 @@ bool bf16_inputs(const KernelQuery& q) { return q.dtype == DType::bf16; }
 // The forward's P.V stays on fp32 FMAs (its logits run on bf16 dots): with P
 // rounded to bf16 the output that feeds the next layer carried measurably
 // more error into a bf16 model's gradients (docs/sparse_attention.md); the
-// backward's bf16 products did not, and run at 1.3x the FMA backward.
+// backward's bf16 products did not, and run at 1.3x the FMA backward. The
+// decode op's forward feeds no backward: it runs the pair kernel with P
+// rounded once (Shape::bf16_p).
 bool bf16_pair_pass(const KernelQuery& q) {
-  return q.dtype == DType::bf16 &&
-         (q.pass == Pass::backward || pair_forward_for_testing().load(std::memory_order_relaxed));
+  return q.dtype == DType::bf16 && (q.pass == Pass::backward || q.pass == Pass::decode ||
+                                    pair_forward_for_testing().load(std::memory_order_relaxed));
 }
 
 // Candidates, best first (cpu/select.h).
@@ -315,6 +317,7 @@ std::int64_t backward_chunk_rows(std::size_t packed_row_bytes) {
 
 namespace attention_kernels {
 const AttentionKernel& pick_forward_kernel(DType dtype) { return pick_kernel(dtype, Pass::forward); }
+const AttentionKernel& pick_decode_kernel(DType dtype) { return pick_kernel(dtype, Pass::decode); }
 void use_pair_forward_for_testing(bool on) { pair_forward_for_testing().store(on); }
 void limit_backward_chunk_rows_for_testing(std::int64_t rows) { backward_chunk_limit_for_testing().store(rows); }
 }  // namespace attention_kernels
