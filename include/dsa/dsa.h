@@ -3,6 +3,7 @@
 
 #include "dsa/backend.h"
 #include "dsa/compressor.h"
+#include "dsa/compressor_append.h"
 #include "dsa/error.h"
 #include "dsa/dense_indexer.h"
 #include "dsa/indexer.h"

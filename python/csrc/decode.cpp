@@ -1,5 +1,5 @@
-// The decode operators over paged caches: dsa::indexer_decode and
-// dsa::sparse_attention_decode.
+// The decode operators: dsa::indexer_decode and dsa::sparse_attention_decode
+// over paged caches, and dsa::compressor_append (V4's compressor state).
 #include "tensor_view.h"
 
 namespace dsa::python {
@@ -66,6 +66,27 @@ void register_decode(nb::module_& m) {
       nb::arg("lse"), nb::arg("scale"), nb::arg("d_v"), nb::arg("window"), nb::arg("cmp_ratio"),
       nb::arg("rope_dim"), nb::arg("cache_dtype"), nb::arg("ring"), nb::arg("cmp_cache_dtype"),
       nb::arg("backend"), nb::arg("num_threads"));
+  m.def(
+      "compressor_append",
+      [](nb::ndarray<> kv, nb::ndarray<> gate, nb::ndarray<> position_bias, nb::ndarray<> state_kv,
+         nb::ndarray<> state_gate, nb::ndarray<> lengths, std::optional<nb::ndarray<>> new_lens,
+         nb::ndarray<> compressed, std::int64_t ratio, bool overlap, const std::string& backend, int num_threads) {
+        const TensorView k = to_view(kv, "kv"), g = to_view(gate, "gate"), pb = to_view(position_bias, "position_bias"),
+                         sk = to_view(state_kv, "state_kv"), sg = to_view(state_gate, "state_gate"),
+                         l = to_view(lengths, "lengths"), n = to_view(new_lens, "new_lens"),
+                         out = to_view(compressed, "compressed");
+        CompressorAppendParams params;
+        params.ratio = ratio;
+        params.overlap = overlap;
+        params.num_threads = num_threads;
+        const Backend b = parse_backend(backend);
+        nb::gil_scoped_release release;
+        compressor_append(k, g, pb, sk, sg, l, n, params, out, b);
+      },
+      nb::arg("kv"), nb::arg("gate"), nb::arg("position_bias"), nb::arg("state_kv"), nb::arg("state_gate"),
+      nb::arg("lengths"), nb::arg("new_lens").none(), nb::arg("compressed"), nb::arg("ratio"), nb::arg("overlap"),
+      nb::arg("backend"), nb::arg("num_threads"));
+  m.def("compressor_state_rows", &compressor_state_rows, nb::arg("ratio"), nb::arg("overlap"));
 }
 
 }  // namespace dsa::python

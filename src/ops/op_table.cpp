@@ -22,6 +22,7 @@ const OpTable& op_table() {
       .sparse_attention_decode = {"sparse_attention_decode", reference::sparse_attention_decode,
                                   cpu::sparse_attention_decode},
       .indexer_decode = {"indexer_decode", reference::indexer_decode, cpu::indexer_decode},
+      .compressor_append = {"compressor_append", reference::compressor_append, cpu::compressor_append},
   };
   return table;
 }

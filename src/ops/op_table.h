@@ -10,6 +10,7 @@
 #include "core/validate.h"
 #include "dsa/backend.h"
 #include "ops/compressor.h"
+#include "ops/compressor_append.h"
 #include "ops/indexer.h"
 #include "ops/indexer_decode.h"
 #include "ops/kl_loss.h"
@@ -51,6 +52,7 @@ struct OpTable {
   OpEntry<CacheRowsProblem> cache_write, cache_gather;
   OpEntry<SparseAttentionDecodeProblem> sparse_attention_decode;
   OpEntry<IndexerDecodeProblem> indexer_decode;
+  OpEntry<CompressorAppendProblem> compressor_append;
 
   // Calls f on every entry (a new row is added here too).
   template <class F>
@@ -59,7 +61,7 @@ struct OpTable {
     f(dense_indexer_lse), f(dense_indexer_kl_loss_fwd), f(dense_indexer_kl_loss_bwd);
     f(compressor_fwd), f(compressor_bwd);
     f(cache_write), f(cache_gather);
-    f(sparse_attention_decode), f(indexer_decode);
+    f(sparse_attention_decode), f(indexer_decode), f(compressor_append);
   }
 };
 

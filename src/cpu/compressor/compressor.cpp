@@ -120,16 +120,6 @@ void set_prefetch(const CompressorProblem& p, const Entry& e, PoolArgs& args) {
   args.prefetch_bytes = p.ratio * p.kv_row_stride * static_cast<std::int64_t>(es);
 }
 
-// Per-thread scratch whose strips start on a 64-byte boundary (aligned vector stores).
-struct AlignedFloats {
-  std::vector<float> storage;
-  float* data = nullptr;
-  explicit AlignedFloats(std::size_t n) : storage(n + 16) {
-    auto address = reinterpret_cast<std::uintptr_t>(storage.data());
-    data = storage.data() + ((64 - address % 64) % 64) / sizeof(float);
-  }
-};
-
 // Per-thread slot list and aligned float scratch of the forward and backward.
 struct ThreadScratch {
   std::vector<std::vector<SlotRef>> slots;
@@ -149,11 +139,12 @@ struct ThreadScratch {
 }  // namespace
 
 namespace compressor_kernels {
+const PoolKernel& pick_pool_kernel() { return select_kernel(kPoolKernels, CompressorProblem{}); }
 void stream_gradients_from_bytes_for_testing(std::int64_t bytes) { stream_gradient_bytes().store(bytes); }
 }  // namespace compressor_kernels
 
 void compressor_fwd(const CompressorProblem& p) {
-  const PoolKernel& kernel = select_kernel(kPoolKernels, p);
+  const PoolKernel& kernel = pick_pool_kernel();
   const std::size_t es = element_size(p.dtype);
   const std::int64_t c = p.channels;
   // BSND rows past a row's count hold no entry.
@@ -189,7 +180,7 @@ void compressor_fwd(const CompressorProblem& p) {
 }
 
 void compressor_bwd(const CompressorProblem& p) {
-  const PoolKernel& kernel = select_kernel(kPoolKernels, p);
+  const PoolKernel& kernel = pick_pool_kernel();
   const std::size_t es = element_size(p.dtype);
   const std::int64_t c = p.channels, C = p.in_channels, m = p.ratio;
   core::advise_huge_pages(p.grad_kv, static_cast<std::size_t>(p.rows * C) * es);

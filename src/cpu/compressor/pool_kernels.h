@@ -9,10 +9,24 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "dsa/tensor.h"
 
 namespace dsa::cpu::compressor_kernels {
+
+// Per-thread scratch whose strips start on a 64-byte boundary (aligned vector stores).
+struct AlignedFloats {
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+  AlignedFloats(AlignedFloats&&) = default;  // a moved vector keeps its buffer
+  std::vector<float> storage;
+  float* data = nullptr;
+  explicit AlignedFloats(std::size_t n) : storage(n + 16) {  // never copied: `data` points into storage
+    auto address = reinterpret_cast<std::uintptr_t>(storage.data());
+    data = storage.data() + ((64 - address % 64) % 64) / sizeof(float);
+  }
+};
 
 // Floats of scratch a call needs: one weight per slot and channel of a
 // 64-channel strip (the vector kernels' unit; the portable one uses a row).
@@ -60,6 +74,10 @@ struct PoolKernel {
   // scratch for two rows of `width` floats, each rounded up to 16.
   void (*backward_from_stats)(const PoolArgs& args);
 };
+
+// The kernel the fused compressor runs on this CPU (cpu/select.h): the
+// compressor's and the decode compressor's one choice.
+const PoolKernel& pick_pool_kernel();
 
 const PoolKernel& portable_kernel();
 const PoolKernel& avx2_kernel();         // needs AVX2, FMA and F16C

@@ -7,7 +7,9 @@ its binding bound on the machine at hand (``ceiling="binding"``): its FLOPs at t
 compute ceiling or its bytes at copy bandwidth, whichever takes longer. The attention
 at H = 128 is a [128 x 576].[576 x 2048] product per request (242 FLOP per bf16
 record byte: compute); at H = 16 a sixteenth of that work over the same bytes; the
-indexer does 2 * 64 * 128 FLOPs per 132-byte FP8 key.
+indexer does 2 * 64 * 128 FLOPs per 132-byte FP8 key. ``compressor_append`` is
+DeepSeek-V4's compressor in a decode step: one new token per request that completes
+an entry, pooled from the fp32 state (memory-bound: the state rows it reads).
 
 Peers: ``naive`` gathers the selected rows (dsa_cache_gather) and runs torch's
 softmax attention / score + topk; ``gather_prefill`` is the path a DsaCache decode
@@ -18,8 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from dsa import (dsa_cache_gather, dsa_indexer, dsa_indexer_decode, dsa_sparse_attention,
+from dsa import (dsa_cache_gather, dsa_compressor_append, dsa_indexer, dsa_indexer_decode, dsa_sparse_attention,
                  dsa_sparse_attention_decode)
+from dsa.decode import new_compressor_state
 from dsa.bench.case import FUSED, NAIVE, Case
 from dsa.paged_cache import DEFAULT_BLOCK_SIZE, cache_token_bytes
 
@@ -138,6 +141,44 @@ def indexer_case(ctx: int, B: int, next_n: int, cache_dtype: str = "fp8", Hi: in
                 note=f"{2 * next_n * Hi * Di / cache_token_bytes(Di, 0, cache_dtype):.0f} FLOP per key byte")
 
 
+def compressor_append_case(kind: str, B: int, quick: bool = False) -> Case:
+    """One decode step of a V4 compressor: every request holds k * m - 1 tokens and
+    appends the one that completes its next entry (the step that pools)."""
+    m, overlap, c = {"csa": (4, True, 512), "hca": (128, False, 512), "csa-index": (4, True, 128)}[kind]
+    C = (2 if overlap else 1) * c
+    slots = (2 if overlap else 1) * m
+    held = 64 * m - 1
+
+    def setup():
+        g = torch.Generator().manual_seed(9)
+        skv, sgate = new_compressor_state(B, m, C, overlap=overlap)
+        skv.copy_(torch.randn(skv.shape, generator=g))
+        sgate.copy_(torch.randn(sgate.shape, generator=g))
+        return {"kv": torch.randn(B, 1, C, generator=g).bfloat16(), "gate": torch.randn(B, 1, C, generator=g).bfloat16(),
+                "bias": torch.randn(m, C, generator=g), "skv": skv, "sgate": sgate,
+                "lens": torch.full((B,), held, dtype=torch.int32)}
+
+    def fused(x):
+        return dsa_compressor_append(x["kv"], x["gate"], x["bias"], x["skv"], x["sgate"], x["lens"], ratio=m,
+                                     overlap=overlap)
+
+    ring = torch.arange(held + 1 - slots, held + 1) % slots  # the entry's tokens' ring rows, oldest first
+
+    def naive(x):  # the model's own eager pooling over a state kept as torch tensors
+        x["skv"][:, held % slots] = x["kv"][:, 0].float()
+        x["sgate"][:, held % slots] = x["gate"][:, 0].float()
+        kv, gate = x["skv"][:, ring], x["sgate"][:, ring] + (x["bias"].repeat(2, 1) if overlap else x["bias"])
+        if overlap:  # block w-1 on [0, c), block w on [c, 2c)
+            kv = torch.cat([kv[:, :m, :c], kv[:, m:, c:]], 1)
+            gate = torch.cat([gate[:, :m, :c], gate[:, m:, c:]], 1)
+        return (kv * gate.softmax(1)).sum(1).bfloat16()
+
+    return Case(name=f"compressor_append/{kind}-r{m}/bf16/B{B}/c{c}", setup=setup,
+                impls={FUSED: fused, NAIVE: naive}, bytes_moved=float(B * (slots * c * 8 + C * 8)),
+                ceiling="copy_bw", dtype="bf16", quick=quick,
+                note=f"{slots} fp32 slots of kv and gate per output channel read from the state")
+
+
 CASES = (
     [attention_case(128, 32768, 1, "bf16", quick=True), attention_case(16, 32768, 1, "bf16", quick=True)]
     + [attention_case(H, ctx, B, c) for c in ("bf16", "fp8") for H in (128, 16) for ctx in (32768, 131072)
@@ -145,4 +186,5 @@ CASES = (
     + [indexer_case(32768, 1, 1, quick=True)]
     + [indexer_case(ctx, B, n) for ctx in (32768, 131072) for B in (1, 16) for n in (1, 2)
        if not (ctx == 32768 and B == 1 and n == 1)]
+    + [compressor_append_case(kind, B) for kind in ("csa", "hca", "csa-index") for B in (1, 16)]
 )
