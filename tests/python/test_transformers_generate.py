@@ -1,6 +1,7 @@
 """generate() on a patched DeepSeek-V3.2 through dsa's paged cache (DsaCache): the
 same tokens as the unpatched model in fp32, batch 1 and padded batches."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -189,5 +190,8 @@ def test_a_cache_dtype_no_cache_honours_warns_or_raises(v32):
     with pytest.raises(ValueError, match="cache_dtype='fp8' is not honoured"):
         patch(copy.deepcopy(v32), li=False, cache_dtype="fp8", strict=True)
     v4 = build("v4")
-    with pytest.warns(UserWarning, match="DeepSeek-V4"):
+    with pytest.warns(UserWarning, match="sas=False or li=False"):
+        patch(copy.deepcopy(v4), sas=False, cache_dtype="bf16")
+    with warnings.catch_warnings():  # DeepSeek-V4 generates through a DsaCache now: honoured
+        warnings.simplefilter("error")
         patch(v4, cache_dtype="bf16")

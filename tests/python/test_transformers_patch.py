@@ -236,13 +236,18 @@ def test_v32_cache_prefill_chunk_decode_patched():
     assert fallback_counts(patched) == {}
 
 
-def test_v4_generate_prefill_patched_decode_falls_back():
+def test_v4_generate_runs_patched_and_a_transformers_cache_falls_back():
+    from transformers import DynamicCache
     model = build("v4").eval()
     patched = patch(copy.deepcopy(model))
     ids = _ids(1, 20)
     a = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert torch.equal(patched.generate(ids, max_new_tokens=5, do_sample=False), a)  # through a DsaCache
+    assert fallback_counts(patched) == {}
+    # A caller's transformers cache: the prompt runs patched and fills it as the model
+    # would; the decode steps on that cache run the model's own attention, counted.
     with pytest.warns(UserWarning, match="holds tokens"):
-        b = patched.generate(ids, max_new_tokens=5, do_sample=False)
+        b = patched.generate(ids, max_new_tokens=5, do_sample=False, past_key_values=DynamicCache(config=model.config))
     assert torch.equal(a, b)
     assert fallback_counts(patched) == {"a DeepSeek-V4 cache that already holds tokens": 4 * 3}
 

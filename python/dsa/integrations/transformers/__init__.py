@@ -139,12 +139,9 @@ def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compress
     if found == 0:
         raise ValueError(f"patch: {type(model).__name__} holds no DeepSeek-V3.2 or DeepSeek-V4 attention module")
     if opts.cache_dtype is not None:
-        # Only a DsaCache stores in cache_dtype, and generate() creates one for a
-        # DeepSeek-V3.2 patched with sas and li only: elsewhere the choice would be lost.
-        model_type = getattr(getattr(model, "config", None), "model_type", None)
-        why = ("DeepSeek-V4 generation keeps transformers' cache (no DsaCache yet)" if model_type == "deepseek_v4"
-               else "sas=False or li=False (generate() keeps transformers' cache)" if not (opts.sas and opts.li)
-               else None)
+        # Only a DsaCache stores in cache_dtype, and generate() creates one for a model
+        # patched with sas and li only: elsewhere the choice would be lost.
+        why = "sas=False or li=False (generate() keeps transformers' cache)" if not (opts.sas and opts.li) else None
         if why is not None:
             message = f"patch: cache_dtype={opts.cache_dtype!r} is not honoured: {why}"
             if opts.strict:

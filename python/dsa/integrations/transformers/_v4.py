@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _cp, _geometry, _loss, _metrics, _ops
+from ... import (dsa_compressor_append, dsa_indexer, dsa_indexer_decode, dsa_sparse_attention,
+                  dsa_sparse_attention_decode)
+from . import _cp, _geometry, _loss, _mask, _metrics, _ops
+from ._cache import DsaCache
 from ._checks import call_reason, cache_layer_reason
-from ._mask import run_original
+from ._mask import DsaMask, run_original
 
 from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
@@ -114,6 +117,9 @@ def _select(ix, q, keys, weights, ops):
 def attention_forward(self, hidden_states, position_embeddings, position_ids, attention_mask,
                       past_key_values=None, **kwargs):
     st = self._dsa_state
+    if isinstance(past_key_values, DsaCache):
+        return _paged_forward(self, hidden_states, position_embeddings, position_ids, attention_mask,
+                              past_key_values, kwargs)
     opts = st.options
     batch, seq = hidden_states.shape[:2]
     comp = self.compressor
@@ -202,6 +208,187 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
     out = _rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
     grouped = self.o_a_proj(out.reshape(batch, seq, self.config.o_groups, -1)).flatten(2)
     return self.o_b_proj(grouped), None
+
+
+# ---- generation on a DsaCache ----
+
+# A DsaCache call of at most this many rows per request, all valid, on a cache that
+# already holds tokens, runs the decode ops; the window ring holds this many rows
+# beyond the sliding window.
+DECODE_MAX_ROWS = 16
+
+
+def _paged_reason(self, st, kwargs, attention_mask):
+    """Why a call on a DsaCache cannot run (it then raises: no fallback reads a paged cache)."""
+    opts = st.options
+    if not opts.li:
+        return "li=False (the model's own indexer would read a cache of its own)"
+    if opts.indexer_loss is not None and torch.is_grad_enabled():
+        return "an indexer loss (a DsaCache serves inference)"
+    reason = call_reason(self, kwargs)
+    if reason is None and attention_mask is not None:
+        if not isinstance(attention_mask, DsaMask):
+            reason = "a 4-D attention mask"
+        else:
+            reason = _mask.function_reason(attention_mask, self.sliding_window)
+            shape = _mask.describe(attention_mask.kwargs.get("mask_function"))
+            if reason is None and shape is not None and shape[2]:
+                reason = "packed documents (position ids restarting in a row)"
+    if reason is None and any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        reason = "packed documents (cu_seq_lens)"
+    return reason
+
+
+def _append_entries(module, state, hidden_states, counts, starts, backend):
+    """The compressor ``module``'s entries that this call's rows complete, through its
+    serving ``state`` (``_cache.Compressor``): pooled by dsa_compressor_append from the
+    valid rows of each request (``counts[b]``, moved to the front of the row), then the
+    model's kv_norm and RoPE at positions ``w * m``, then written to the entry cache at
+    their entry numbers. Returns the entry count of every request afterwards."""
+    batch, seq = hidden_states.shape[:2]
+    kv, gate = module.kv_proj(hidden_states), module.gate_proj(hidden_states)
+    n = max(counts + [0])
+    if any(c < seq for c in counts):  # left padding: each request's valid rows (its last) first
+        packed = [kv.new_zeros(batch, n, kv.shape[-1]), gate.new_zeros(batch, n, gate.shape[-1])]
+        for b in range(batch):
+            for dst, src in zip(packed, (kv, gate)):
+                dst[b, :counts[b]] = src[b, seq - counts[b]:]
+        kv, gate = packed
+    m = state.ratio
+    lens = torch.tensor(starts, dtype=torch.int64)
+    pooled = dsa_compressor_append(kv.contiguous(), gate.contiguous(), module.position_bias.float(), state.state_kv,
+                                   state.state_gate, lens, ratio=m, overlap=state.overlap,
+                                   new_lens=torch.tensor(counts, dtype=torch.int64), backend=backend)
+    first = lens // m
+    totals = [(s + c) // m for s, c in zip(starts, counts)]
+    entry = first.unsqueeze(1) + torch.arange(pooled.shape[1]).unsqueeze(0)  # [B, E] entry numbers
+    live = entry < torch.tensor(totals).unsqueeze(1)
+    if bool(live.any()):
+        entries = norm_rope(module, pooled, entry * m)
+        state.entries.reserve(totals)
+        state.entries.write(torch.where(live, entry, torch.full_like(entry, -1)), entries)
+    return totals
+
+
+def _paged_forward(self, hidden_states, position_embeddings, position_ids, attention_mask, cache, kwargs):
+    """A call on a DsaCache: each request's valid rows (the 2-D padding mask's ones)
+    join its window ring and its compressors at the request's own positions. The first
+    call (the prompt; padded batches included) runs the prefill ops on its rows, one
+    sequence per request; a later call of at most DECODE_MAX_ROWS rows per request runs
+    the decode ops on the caches in place, and a longer one (chunked prefill) runs them
+    DECODE_MAX_ROWS rows at a time."""
+    st = self._dsa_state
+    reason = _paged_reason(self, st, kwargs, attention_mask)
+    if reason is not None:
+        raise _cp.PatchFallbackError(f"dsa patch: a DsaCache call with {reason}: the model's own attention "
+                                     "cannot read dsa's paged cache (generate with use_cache=False, or pass a "
+                                     "transformers cache)")
+    batch, seq = hidden_states.shape[:2]
+    layer = cache.layers[self.layer_idx]
+    mask2d = attention_mask.attention_mask if isinstance(attention_mask, DsaMask) else None
+    valid = (mask2d[:, -seq:].to(torch.bool) if mask2d is not None
+             else torch.ones(batch, seq, dtype=torch.bool, device=hidden_states.device))
+    counts = valid.sum(1).tolist()
+    continuing = layer.is_initialized and any(layer.lengths)
+    if continuing and not all(c == seq for c in counts):
+        raise _cp.PatchFallbackError("dsa patch: a DsaCache call that continues a DeepSeek-V4 cache with padding "
+                                     "rows: the decode ops take every row of a request")
+    if continuing and seq > DECODE_MAX_ROWS:
+        # Chunked prefill: the decode ops, a slice of rows at a time.
+        outs = []
+        for lo in range(0, seq, DECODE_MAX_ROWS):
+            hi = min(seq, lo + DECODE_MAX_ROWS)
+            emb = {k: (cos[:, lo:hi], sin[:, lo:hi]) for k, (cos, sin) in position_embeddings.items()}
+            outs.append(_paged_forward(self, hidden_states[:, lo:hi], emb, position_ids[:, lo:hi], None, cache,
+                                       kwargs)[0])
+        return torch.cat(outs, dim=1), None
+    if not all(counts[b] == 0 or bool(valid[b, seq - counts[b]:].all()) for b in range(batch)):
+        raise _cp.PatchFallbackError("dsa patch: a DsaCache call with padding after a request's tokens (right "
+                                     "padding) on DeepSeek-V4: its compressor pools a request's tokens in order")
+
+    backend = st.options.backend
+    cos, sin = position_embeddings[self.rope_layer_type]
+    q_residual = self.q_a_norm(self.q_a_proj(hidden_states))
+    q = self.q_b_proj(q_residual).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+    q = _rope(self.q_b_norm(q), cos, sin).transpose(1, 2)  # [B, S, H, D]
+    kv = self.kv_norm(self.kv_proj(hidden_states)).view(batch, seq, 1, self.head_dim).transpose(1, 2)
+    kv = _rope(kv, cos, sin)[:, 0]  # [B, S, D]
+    rope_dim = 2 * cos.shape[-1]
+    if not layer.is_initialized:
+        layer.start(batch, self, rope_dim, kv.dtype, self.sliding_window + DECODE_MAX_ROWS)
+    starts = list(layer.lengths)
+    decode = continuing  # every row valid, at most DECODE_MAX_ROWS of them (checked above)
+    start_t = torch.tensor(starts, dtype=torch.int64).unsqueeze(1)
+    positions = torch.where(valid, start_t + valid.cumsum(1) - 1, torch.full_like(start_t, -1))
+    lengths = [s + c for s, c in zip(starts, counts)]
+    layer.window.reserve(lengths)
+    layer.window.write(positions, kv)
+
+    comp = self.compressor
+    csa = comp is not None and _is_csa(comp)
+    entries = _append_entries(comp, layer.compressor, hidden_states, counts, starts, backend) if comp else None
+    if csa:
+        ix = comp.indexer
+        index_entries = _append_entries(ix, layer.indexer, hidden_states, counts, starts, backend)
+        cos_q, sin_q = ix.rotary_emb(hidden_states, position_ids=position_ids, layer_type=ix.rope_layer_type)
+        iq = ix.q_b_proj(q_residual).view(batch, seq, -1, ix.head_dim).transpose(1, 2)
+        iq = _rope(iq, cos_q, sin_q).transpose(1, 2)  # [B, S, Hi, Di]
+        iw = ix.scorer.weights_proj(hidden_states).float() * ix.scorer.weights_scaling
+    layer.lengths, layer.columns = lengths, layer.columns + seq
+    sinks = self.sinks.float()
+    has_entries = entries is not None and max(entries) > 0
+
+    if decode:
+        lens = torch.tensor(lengths, dtype=torch.int32)
+        extra = {}
+        if has_entries:
+            cmp = layer.compressor.entries
+            extra = dict(cmp_cache=cmp.cache, cmp_block_table=cmp.table, cmp_ratio=comp.compress_rate,
+                         cmp_cache_dtype=cmp.cache_dtype)
+            if csa:
+                keys = layer.indexer.entries
+                extra["cmp_indices"] = dsa_indexer_decode(iq.contiguous(), iw, keys.cache, keys.table, lens,
+                                                          topk=ix.index_topk, scale=ix.scorer.softmax_scale,
+                                                          cmp_ratio=ix.compress_rate, cache_dtype=keys.cache_dtype,
+                                                          backend=backend)
+        win = layer.window
+        out, _ = dsa_sparse_attention_decode(q.contiguous(), win.cache, win.table, lens, scale=self.scaling,
+                                             window=self.sliding_window, rope_dim=rope_dim,
+                                             cache_dtype=win.cache_dtype, ring=True, sinks=sinks,
+                                             backend=backend, **extra)
+    else:
+        # The prompt: this call's valid rows, one sequence per request, on the prefill ops.
+        ends = _ends(counts)
+        spans = dict(query_lengths=ends, key_lengths=ends, layout="TND", backend=backend)
+        extra = {}
+        if has_entries:
+            cmp_kv = _gather_entries(layer.compressor.entries, entries, kv.dtype)
+            cmp_idx = None
+            if csa:
+                index_keys = _gather_entries(layer.indexer.entries, index_entries, iq.dtype)
+                cmp_idx = dsa_indexer(iq[valid], index_keys, iw[valid], topk=ix.index_topk,
+                                      scale=ix.scorer.softmax_scale, cmp_ratio=ix.compress_rate, **spans)
+            extra = dict(cmp_kv=cmp_kv, cmp_indices=cmp_idx, cmp_ratio=comp.compress_rate)
+        flat, _, _ = dsa_sparse_attention(q[valid], kv[valid], None, scale=self.scaling, window=self.sliding_window,
+                                          sinks=sinks, **extra, **spans)
+        out = flat.new_zeros(batch, seq, *flat.shape[1:])
+        out[valid] = flat
+    out = _rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
+    grouped = self.o_a_proj(out.reshape(batch, seq, self.config.o_groups, -1)).flatten(2)
+    return self.o_b_proj(grouped), None
+
+
+def _gather_entries(stream, counts, dtype):
+    """Every request's entries from its entry cache, back to back ([sum of counts, dim])."""
+    return stream.gather(counts, dtype)
+
+
+def _ends(lengths):
+    ends, total = [], 0
+    for n in lengths:
+        total += n
+        ends.append(total)
+    return ends
 
 
 # ---- sas=False: the model's attention runs, with its compressor and indexer on dsa ----
