@@ -54,9 +54,14 @@ int fuzz_append(Input& in) {
                              false, !in.rare(8)});
   // Each backend gets the same state: the op updates it in place.
   std::vector<std::uint8_t> saved_kv, saved_gate;
+  // Only views the arena really backs (an overflowing extent gets a token buffer that
+  // only the library's validation may look at); sizes multiplied with overflow checks.
   auto bytes_of = [](const TensorView& v) -> std::size_t {
-    if (!v.present() || v.numel() <= 0 || !v.is_contiguous() || v.dtype != DType::f32) return 0;
-    return static_cast<std::size_t>(v.numel()) * 4;
+    if (!v.present() || v.dtype != DType::f32) return 0;
+    std::int64_t n = 1;
+    for (int d = 0; d < v.ndim; ++d)
+      if (v.shape[d] <= 0 || __builtin_mul_overflow(n, v.shape[d], &n)) return 0;
+    return n <= kMaxInputBytes / 4 && v.is_contiguous() ? static_cast<std::size_t>(n) * 4 : 0;
   };
   if (bytes_of(state_kv)) saved_kv.assign(static_cast<std::uint8_t*>(state_kv.data), static_cast<std::uint8_t*>(state_kv.data) + bytes_of(state_kv));
   if (bytes_of(state_gate)) saved_gate.assign(static_cast<std::uint8_t*>(state_gate.data), static_cast<std::uint8_t*>(state_gate.data) + bytes_of(state_gate));
