@@ -6,6 +6,12 @@ patched over dsa's DsaCache as it ran before the decode ops (gather + prefill op
 patched over DsaCache on the decode ops (bf16, fp8).
 
     python tools/decode_step.py [--contexts 1k,4k,16k] [--steps 8] [--json build/decode_step.json]
+
+``--arch v4``: the same for a small DeepSeek-V4 (3 layers: sliding, CSA, HCA; hidden 512,
+16 heads of 512 with 64 RoPE dims, window 128, CSA every 4 tokens with 64 index heads x
+128 and index_topk 512, HCA every 128, bf16): unpatched (transformers' V4 cache, its
+prompt in 2048-token chunks: one eager call over 32K tokens would need tens of GiB of
+scores) against the patched model over a DsaCache (bf16, fp8).
 """
 from __future__ import annotations
 
@@ -37,17 +43,10 @@ def model(max_tokens: int):
 
 
 def step_ms(m, ids, cache, steps: int) -> float:
+    """Median ms of `steps` greedy decode steps after the prompt `ids` (one call)."""
     with torch.no_grad():
         out = m(ids, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        tok = out.logits[:, -1:].argmax(-1)
-        times = []
-        for _ in range(steps):
-            t = time.perf_counter()
-            out = m(tok, past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - t)
-            tok = out.logits[:, -1:].argmax(-1)
-    return 1e3 * statistics.median(times)
+    return _steps(m, out, out.past_key_values, steps)
 
 
 def synthetic_cache(m, ctx: int, cache_dtype: str) -> DsaCache:
@@ -96,6 +95,74 @@ class _GatherPath:
         _v32.DECODE_MAX_ROWS = self.saved
 
 
+def model_v4(max_tokens: int):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+    cfg = DeepseekV4Config(vocab_size=1024, hidden_size=512, moe_intermediate_size=256, num_hidden_layers=3,
+                           layer_types=["sliding_attention", "compressed_sparse_attention",
+                                        "heavily_compressed_attention"],
+                           mlp_layer_types=["moe", "moe", "moe"],
+                           compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+                           num_attention_heads=16, num_key_value_heads=1, head_dim=512, partial_rotary_factor=0.125,
+                           q_lora_rank=256, o_groups=4, o_lora_rank=256, sliding_window=128, index_n_heads=64,
+                           index_head_dim=128, index_topk=512, n_routed_experts=4, num_experts_per_tok=2,
+                           n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=3,
+                           max_position_embeddings=max(4096, max_tokens), attn_implementation="eager")
+    torch.manual_seed(0)
+    m = DeepseekV4ForCausalLM(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():  # the model starts sinks and position biases at 0
+        for name, p in m.named_parameters():
+            if name.endswith("sinks") or name.endswith("position_bias"):
+                p.copy_(torch.randn(p.shape).to(p.dtype))
+    return m
+
+
+def step_ms_chunked(m, ids, cache, steps: int, chunk: int = 2048) -> float:
+    """step_ms with the prompt fed in chunks (the unpatched V4's prefill)."""
+    with torch.no_grad():
+        for lo in range(0, ids.shape[1], chunk):
+            out = m(ids[:, lo:lo + chunk], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+    return _steps(m, out, cache, steps)
+
+
+def _steps(m, out, cache, steps: int) -> float:
+    tok = out.logits[:, -1:].argmax(-1)
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            t = time.perf_counter()
+            out = m(tok, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - t)
+            tok = out.logits[:, -1:].argmax(-1)
+    return 1e3 * statistics.median(times)
+
+
+def main_v4(args) -> int:
+    from transformers import DynamicCache
+    contexts = parse_token_counts(args.contexts)
+    base = model_v4(max(contexts) + args.steps + 1)
+    patched = patch(copy.deepcopy(base), strict=True)
+    rows = []
+    print("| context | unpatched (transformers' V4 cache) | DsaCache bf16 | DsaCache fp8 |")
+    print("|---|---|---|---|")
+    for ctx in contexts:
+        ids = torch.randint(1, 1024, (1, ctx), generator=torch.Generator().manual_seed(ctx))
+        r = {"context": ctx}
+        r["unpatched"] = (step_ms_chunked(base, ids, DynamicCache(config=base.config), args.steps)
+                          if ctx <= args.unpatched_max else None)
+        for dt in ("bf16", "fp8"):
+            r[f"dsa_cache_{dt}"] = step_ms(patched, ids, DsaCache(patched.config, cache_dtype=dt), args.steps)
+        rows.append(r)
+        cell = lambda v: "-" if v is None else f"{v:.1f} ms"  # noqa: E731
+        print(f"| {ctx} | {cell(r['unpatched'])} | {cell(r['dsa_cache_bf16'])} | {cell(r['dsa_cache_fp8'])} |",
+              flush=True)
+    assert fallback_counts(patched) == {}, fallback_counts(patched)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"arch": "v4", "threads": torch.get_num_threads(), "rows": rows},
+                                          indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1k,4k,16k,64k")
@@ -105,7 +172,10 @@ def main(argv=None) -> int:
                     help="from this context on, DsaCache rows are written at random instead of prefilled, "
                          "and only the DsaCache configurations run")
     ap.add_argument("--json", default="build/decode_step.json")
+    ap.add_argument("--arch", choices=("v32", "v4"), default="v32")
     args = ap.parse_args(argv)
+    if args.arch == "v4":
+        return main_v4(args)
     contexts = parse_token_counts(args.contexts)
     base = model(max(contexts) + args.steps + 1)
     patched = patch(copy.deepcopy(base), strict=True)

@@ -165,3 +165,27 @@ def test_compressor_state_follows_batch_selection(v4):
     assert torch.equal(layer.compressor.state_kv[0], before)
     assert layer.lengths == [11, 11] and layer.indexer.state_kv.shape[0] == 2
     assert dsa.dsa_compressor_append is not None
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_prompts_cache_each_requests_real_tokens(v4, side):
+    # The prompt's valid rows give each prompt's own logits (the unpatched model on it
+    # alone), whichever side the padding is on, and the cache holds only real tokens.
+    patched = patch(copy.deepcopy(v4), strict=True)
+    lengths, seq = [11, 17, 6], 17
+    prompts = [_ids(1, n, seed=20 + b) for b, n in enumerate(lengths)]
+    ids = torch.zeros(len(lengths), seq, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        cols = slice(seq - p.shape[1], seq) if side == "left" else slice(0, p.shape[1])
+        ids[b, cols], mask[b, cols] = p[0], 1
+    cache = DsaCache(patched.config)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each request's own positions, as generate() gives them
+    with torch.no_grad():
+        logits = patched(ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True).logits
+        for b, p in enumerate(prompts):
+            alone = v4(p).logits[0]
+            assert torch.allclose(logits[b][mask[b].bool()], alone, rtol=1e-4, atol=1e-5), b
+    assert all(layer.lengths == lengths for layer in cache.layers)
+    assert fallback_counts(patched) == {}

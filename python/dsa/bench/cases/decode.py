@@ -141,6 +141,55 @@ def indexer_case(ctx: int, B: int, next_n: int, cache_dtype: str = "fp8", Hi: in
                 note=f"{2 * next_n * Hi * Di / cache_token_bytes(Di, 0, cache_dtype):.0f} FLOP per key byte")
 
 
+def v4_attention_case(kind: str, ctx: int, B: int, cache_dtype: str, H: int = 64, topk: int = 512) -> Case:
+    """DeepSeek-V4's decode attention: the 128-token window from its ring, the compressed
+    entries (CSA: the top-``topk`` of the ctx / 4; HCA: all ctx / 128 visible) and sinks."""
+    D, rope, window = 512, 64, 128
+    m = 4 if kind == "csa" else 128
+    entries = ctx // m
+    ring_cols = -(-(window + 16) // BS) + 1
+    cmp_keys = min(topk, entries) if kind == "csa" else entries
+
+    def setup():
+        g = torch.Generator().manual_seed(10)
+        win_table = torch.arange(B * ring_cols, dtype=torch.int32).view(B, ring_cols)
+        x = {"q": torch.randn(B, 1, H, D, generator=g).bfloat16(),
+             "win": random_cache(B * ring_cols * BS, D, rope, cache_dtype, g), "win_table": win_table,
+             "cmp": random_cache(B * entries, D, rope, cache_dtype, g), "cmp_table": _tables(B, entries),
+             "lens": torch.full((B,), ctx, dtype=torch.int32), "sinks": torch.randn(H, generator=g)}
+        if kind == "csa":
+            x["idx"] = torch.stack([torch.randperm(entries, generator=g)[:topk].sort().values
+                                    for _ in range(B)]).to(torch.int32).view(B, 1, topk)
+        return x
+
+    def fused(x):
+        return dsa_sparse_attention_decode(x["q"], x["win"], x["win_table"], x["lens"], scale=D ** -0.5,
+                                           window=window, rope_dim=rope, cache_dtype=cache_dtype, ring=True,
+                                           cmp_cache=x["cmp"], cmp_block_table=x["cmp_table"],
+                                           cmp_indices=x.get("idx"), cmp_ratio=m, sinks=x["sinks"])
+
+    def naive(x):  # gather the window and the entries, then the model's eager softmax with a sink column
+        pos = torch.arange(ctx - window, ctx, dtype=torch.int32).expand(B, -1)
+        win = dsa_cache_gather(x["win"], x["win_table"], pos, dim=D, rope_dim=rope, dtype=cache_dtype, ring=True,
+                               out_dtype=torch.bfloat16)
+        cpos = x["idx"][:, 0] if kind == "csa" else torch.arange(entries, dtype=torch.int32).expand(B, -1)
+        cmp = dsa_cache_gather(x["cmp"], x["cmp_table"], cpos, dim=D, rope_dim=rope, dtype=cache_dtype,
+                               out_dtype=torch.bfloat16)
+        kv = torch.cat([win, cmp], dim=1)  # [B, keys, D]
+        logits = (x["q"][:, 0] @ kv.transpose(1, 2)).float() * D ** -0.5  # [B, H, keys]
+        logits = torch.cat([logits, x["sinks"].view(1, H, 1).expand(B, H, 1)], dim=-1)
+        p = torch.softmax(logits, dim=-1)[..., :-1]
+        return p.bfloat16() @ kv
+
+    keys = window + cmp_keys
+    record = cache_token_bytes(D, rope, cache_dtype)
+    return Case(name=f"sparse_attention_decode/v4-{kind}/{cache_dtype}/H{H}/ctx{ctx // 1024}K/B{B}",
+                setup=setup, impls={FUSED: fused, NAIVE: naive}, flops=2.0 * B * H * keys * (D + D),
+                bytes_moved=float(B * keys * record), ceiling="binding", dtype="bf16",
+                note=f"{window} window keys + {cmp_keys} compressed entries per row, {2 * H * 2 * D / record:.0f} "
+                     f"FLOP per record byte")
+
+
 def compressor_append_case(kind: str, B: int, quick: bool = False) -> Case:
     """One decode step of a V4 compressor: every request holds k * m - 1 tokens and
     appends the one that completes its next entry (the step that pools)."""
@@ -186,5 +235,7 @@ CASES = (
     + [indexer_case(32768, 1, 1, quick=True)]
     + [indexer_case(ctx, B, n) for ctx in (32768, 131072) for B in (1, 16) for n in (1, 2)
        if not (ctx == 32768 and B == 1 and n == 1)]
+    + [v4_attention_case(kind, ctx, B, c) for kind in ("csa", "hca") for c in ("bf16", "fp8")
+       for ctx in (32768, 131072) for B in (1, 16)]
     + [compressor_append_case(kind, B) for kind in ("csa", "hca", "csa-index") for B in (1, 16)]
 )

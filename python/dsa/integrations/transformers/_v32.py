@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _cp, _geometry, _loss, _mask, _ops
+from . import _cp, _geometry, _loss, _ops
 from ._cache import DsaCache
-from ._checks import call_reason, cache_layer_reason
+from ._checks import cache_layer_reason, call_reason, require_paged_call
 from ._mask import DsaMask, for_original, original_of, run_original
 from ... import dsa_indexer, dsa_indexer_decode, dsa_sparse_attention, dsa_sparse_attention_decode
 
@@ -178,38 +178,13 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     return self.o_proj(out.reshape(batch, seq, heads * dv)), None
 
 
-def _paged_reason(self, st, kwargs, attention_mask):
-    """Why a call on a DsaCache cannot run (it then raises: no fallback reads a paged cache)."""
-    opts = st.options
-    if not opts.li:
-        return "li=False (the model's own indexer would read a cache of its own)"
-    if opts.indexer_loss is not None and torch.is_grad_enabled():
-        return "an indexer loss (a DsaCache serves inference)"
-    reason = call_reason(self, kwargs) or _absorb_reason(self.kv_b_proj)
-    if reason is None and attention_mask is not None:
-        if not isinstance(attention_mask, DsaMask):
-            reason = "a 4-D attention mask"
-        else:
-            reason = _mask.function_reason(attention_mask, None)
-            shape = _mask.describe(attention_mask.kwargs.get("mask_function"))
-            if reason is None and shape is not None and shape[2]:
-                reason = "packed documents (position ids restarting in a row)"
-    if reason is None and any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
-        reason = "packed documents (cu_seq_lens)"
-    return reason
-
-
 def _paged_forward(self, hidden_states, position_embeddings, attention_mask, cache, kwargs):
     """A call on a DsaCache: this call's valid rows (the 2-D padding mask's ones) are
     appended to each request's paged latent and indexer-key streams at the request's own
     positions, then attend to the request's cached rows. Rows of padding get zeros (the
     model ignores them)."""
     st = self._dsa_state
-    reason = _paged_reason(self, st, kwargs, attention_mask)
-    if reason is not None:
-        raise _cp.PatchFallbackError(f"dsa patch: a DsaCache call with {reason}: the model's own attention "
-                                     "cannot read dsa's paged cache (generate with use_cache=False, or pass a "
-                                     "transformers cache)")
+    require_paged_call(self, st, kwargs, attention_mask, None, _absorb_reason(self.kv_b_proj))
     batch, seq = hidden_states.shape[:2]
     layer = cache.layers[self.layer_idx]
     ix = self.indexer

@@ -10,9 +10,9 @@ import torch
 
 from ... import (dsa_compressor_append, dsa_indexer, dsa_indexer_decode, dsa_sparse_attention,
                   dsa_sparse_attention_decode)
-from . import _cp, _geometry, _loss, _mask, _metrics, _ops
+from . import _cp, _geometry, _loss, _metrics, _ops
 from ._cache import DsaCache
-from ._checks import call_reason, cache_layer_reason
+from ._checks import cache_layer_reason, call_reason, require_paged_call
 from ._mask import DsaMask, run_original
 
 from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -218,41 +218,21 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
 DECODE_MAX_ROWS = 16
 
 
-def _paged_reason(self, st, kwargs, attention_mask):
-    """Why a call on a DsaCache cannot run (it then raises: no fallback reads a paged cache)."""
-    opts = st.options
-    if not opts.li:
-        return "li=False (the model's own indexer would read a cache of its own)"
-    if opts.indexer_loss is not None and torch.is_grad_enabled():
-        return "an indexer loss (a DsaCache serves inference)"
-    reason = call_reason(self, kwargs)
-    if reason is None and attention_mask is not None:
-        if not isinstance(attention_mask, DsaMask):
-            reason = "a 4-D attention mask"
-        else:
-            reason = _mask.function_reason(attention_mask, self.sliding_window)
-            shape = _mask.describe(attention_mask.kwargs.get("mask_function"))
-            if reason is None and shape is not None and shape[2]:
-                reason = "packed documents (position ids restarting in a row)"
-    if reason is None and any(kwargs.get(k) is not None for k in ("cu_seq_lens_q", "cu_seq_lens_k")):
-        reason = "packed documents (cu_seq_lens)"
-    return reason
-
-
-def _append_entries(module, state, hidden_states, counts, starts, backend):
+def _append_entries(module, state, hidden_states, valid, counts, starts, backend):
     """The compressor ``module``'s entries that this call's rows complete, through its
     serving ``state`` (``_cache.Compressor``): pooled by dsa_compressor_append from the
-    valid rows of each request (``counts[b]``, moved to the front of the row), then the
-    model's kv_norm and RoPE at positions ``w * m``, then written to the entry cache at
-    their entry numbers. Returns the entry count of every request afterwards."""
+    valid rows of each request (``valid [B, S]``, ``counts[b]`` of them, moved to the
+    front of the row in order), then the model's kv_norm and RoPE at positions
+    ``w * m``, then written to the entry cache at their entry numbers. Returns the entry
+    count of every request afterwards."""
     batch, seq = hidden_states.shape[:2]
     kv, gate = module.kv_proj(hidden_states), module.gate_proj(hidden_states)
     n = max(counts + [0])
-    if any(c < seq for c in counts):  # left padding: each request's valid rows (its last) first
+    if any(c < seq for c in counts):  # padding (left or right): each request's valid rows first
         packed = [kv.new_zeros(batch, n, kv.shape[-1]), gate.new_zeros(batch, n, gate.shape[-1])]
         for b in range(batch):
             for dst, src in zip(packed, (kv, gate)):
-                dst[b, :counts[b]] = src[b, seq - counts[b]:]
+                dst[b, :counts[b]] = src[b][valid[b]]
         kv, gate = packed
     m = state.ratio
     lens = torch.tensor(starts, dtype=torch.int64)
@@ -278,11 +258,7 @@ def _paged_forward(self, hidden_states, position_embeddings, position_ids, atten
     the decode ops on the caches in place, and a longer one (chunked prefill) runs them
     DECODE_MAX_ROWS rows at a time."""
     st = self._dsa_state
-    reason = _paged_reason(self, st, kwargs, attention_mask)
-    if reason is not None:
-        raise _cp.PatchFallbackError(f"dsa patch: a DsaCache call with {reason}: the model's own attention "
-                                     "cannot read dsa's paged cache (generate with use_cache=False, or pass a "
-                                     "transformers cache)")
+    require_paged_call(self, st, kwargs, attention_mask, self.sliding_window)
     batch, seq = hidden_states.shape[:2]
     layer = cache.layers[self.layer_idx]
     mask2d = attention_mask.attention_mask if isinstance(attention_mask, DsaMask) else None
@@ -302,9 +278,6 @@ def _paged_forward(self, hidden_states, position_embeddings, position_ids, atten
             outs.append(_paged_forward(self, hidden_states[:, lo:hi], emb, position_ids[:, lo:hi], None, cache,
                                        kwargs)[0])
         return torch.cat(outs, dim=1), None
-    if not all(counts[b] == 0 or bool(valid[b, seq - counts[b]:].all()) for b in range(batch)):
-        raise _cp.PatchFallbackError("dsa patch: a DsaCache call with padding after a request's tokens (right "
-                                     "padding) on DeepSeek-V4: its compressor pools a request's tokens in order")
 
     backend = st.options.backend
     cos, sin = position_embeddings[self.rope_layer_type]
@@ -326,10 +299,10 @@ def _paged_forward(self, hidden_states, position_embeddings, position_ids, atten
 
     comp = self.compressor
     csa = comp is not None and _is_csa(comp)
-    entries = _append_entries(comp, layer.compressor, hidden_states, counts, starts, backend) if comp else None
+    entries = _append_entries(comp, layer.compressor, hidden_states, valid, counts, starts, backend) if comp else None
     if csa:
         ix = comp.indexer
-        index_entries = _append_entries(ix, layer.indexer, hidden_states, counts, starts, backend)
+        index_entries = _append_entries(ix, layer.indexer, hidden_states, valid, counts, starts, backend)
         cos_q, sin_q = ix.rotary_emb(hidden_states, position_ids=position_ids, layer_type=ix.rope_layer_type)
         iq = ix.q_b_proj(q_residual).view(batch, seq, -1, ix.head_dim).transpose(1, 2)
         iq = _rope(iq, cos_q, sin_q).transpose(1, 2)  # [B, S, Hi, Di]
