@@ -48,3 +48,14 @@ def plain_eager(*tensors) -> bool:
             or torch._C._len_torch_function_stack() or torch._C._are_functorch_transforms_active()):
         return False
     return all(t is None or (type(t) is torch.Tensor and t.device.type == "cpu") for t in tensors)
+
+
+def missing_extra(modules, extra: str, what: str):
+    """None when every module in ``modules`` imports; else the one-line message a CLI
+    prints before any work: which package is missing and the extra that brings it."""
+    import importlib.util
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return (f"{what} needs {', '.join(missing)}, not installed: pip install \"dsa[{extra}]\" "
+            f"(or pip install {' '.join(missing)})")

@@ -8,7 +8,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _C, _buffers
 from ._common import check_backend, check_int, check_layout, check_tensor, num_threads, plain_eager
-from .lengths import (Lengths, as_length_tensor, ends_from_lengths, lengths_from_cu_seqlens, lengths_from_ends,
+from .lengths import (Lengths, as_length_tensor, ends_from_lengths, lengths_from_cu_seqlens,
                       to_cu_seqlens)
 
 
@@ -148,7 +148,8 @@ def _compressed_lengths(query_lengths: Lengths, lengths_tensor: Optional[torch.T
         raw = [kv.shape[0]] if layout == "TND" else [kv.shape[1]] * kv.shape[0]
     else:
         items = [int(v) for v in query_lengths]
-        raw = items if layout == "BSND" else lengths_from_ends(items)
+        # Decreasing ends are the kernel's to report (naming query_lengths): no check here.
+        raw = items if layout == "BSND" else lengths_from_cu_seqlens([0] + items)
     counts = _entry_counts(raw, ratio)
     return (counts if layout == "BSND" else ends_from_lengths(counts)), sum(counts)
 

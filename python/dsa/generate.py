@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from ._child import parse_token_counts, run_json_child
+from ._common import missing_extra
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -170,6 +171,11 @@ def main(argv=None) -> int:
     if args._spec:
         Path(args._out).write_text(json.dumps(run_one(json.loads(args._spec))))
         return 0
+    needed = ["transformers"] + ["tqdm"] * (not args.no_progress) + ["matplotlib"] * args.compare
+    missing = missing_extra(needed, "train" if args.compare else "transformers", "dsa-generate")
+    if missing:
+        print(f"dsa-generate: error: {missing}", file=sys.stderr)
+        return 2
     if args.new_tokens < 2 or args.batch < 1 or args.layers < 1:
         ap.error("--new-tokens >= 2, --batch >= 1 and --layers >= 1")
     try:

@@ -43,7 +43,13 @@ def ends_from_lengths(lengths: Sequence[int]) -> list[int]:
 
 
 def lengths_from_ends(ends: Sequence[int]) -> list[int]:
-    return lengths_from_cu_seqlens(cu_seqlens_from_ends(ends))
+    """Per-sequence lengths of cumulative ``ends``, which must not decrease."""
+    lengths = lengths_from_cu_seqlens(cu_seqlens_from_ends(ends))
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"ends: expected non-decreasing cumulative ends, got {list(ends)} "
+                             f"(entry {i} is {int(ends[i])}, below the one before it)")
+    return lengths
 
 
 def as_length_tensor(value: Lengths, name: str) -> Optional[torch.Tensor]:

@@ -92,5 +92,8 @@ def dsa_cache_gather(cache: torch.Tensor, block_table: torch.Tensor, positions: 
     check_backend(backend)
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype}")
+    if positions.dim() != 2:  # the output's shape follows from it: say so before the op names `out`
+        raise ValueError(f"positions: expected [B, n] (one row of positions per request), got shape "
+                         f"{tuple(positions.shape)}")
     return _cache_gather_op(cache, block_table, positions, check_int(dim, "dim", 1),
                             check_int(rope_dim, "rope_dim", 0), dtype, bool(ring), out_dtype, backend)

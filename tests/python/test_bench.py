@@ -142,9 +142,10 @@ def test_cli_small_case_end_to_end(tmp_path):
     assert by_impl[FUSED]["ceiling_label"] in proc.stdout
 
 
-def test_cli_rejects_an_empty_selection():
+@pytest.mark.parametrize("listing", [False, True])
+def test_cli_rejects_an_empty_selection(listing):
     env = dict(os.environ, PYTHONPATH=PYTHON_DIR)
-    proc = subprocess.run([sys.executable, "-m", "dsa.bench", "--filter", "no-such-case"],
+    proc = subprocess.run([sys.executable, "-m", "dsa.bench", "--filter", "no-such-case"] + ["--list"] * listing,
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 2 and "no case" in proc.stderr
 

@@ -128,6 +128,8 @@ def test_bad_input_names_the_argument():
         dsa.dsa_cache_write(cache, table.long(), pos, values, dtype="fp8")
     with pytest.raises(ValueError, match="out_dtype"):
         dsa.dsa_cache_gather(cache, table, pos, dim=128, dtype="fp8", out_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"positions: expected \[B, n\]"):
+        dsa.dsa_cache_gather(cache, table, pos[0], dim=128, dtype="fp8")
 
 
 def test_opcheck():

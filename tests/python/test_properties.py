@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import dsa
 from dsa import _C
-from dsa.lengths import cu_seqlens_from_ends
+from dsa.lengths import cu_seqlens_from_ends, lengths_from_ends
 
 import test_compressor
 import test_indexer
@@ -370,3 +370,9 @@ def test_compressor_bad_configurations(raw, which, seed):
     with pytest.raises(ValueError, match=needle):
         dsa.dsa_compressor(kv2, g2, b2, **a)
     assert _unchanged(before, [kv2, g2, b2])
+
+
+def test_decreasing_ends_are_an_error_naming_them():
+    assert lengths_from_ends([3, 3, 7]) == [3, 0, 4]
+    with pytest.raises(ValueError, match="ends: expected non-decreasing"):
+        lengths_from_ends([3, 2])

@@ -34,6 +34,8 @@ def test_resume_continues_the_saved_run(tmp_path):
     r = train(*common, "--steps", "2", "--save", str(ckpt), "--json", str(first))
     assert r.returncode == 0, r.stderr[-3000:]
     assert (ckpt / "config.json").is_file() and (ckpt / "trainer_state.pt").is_file()
+    r = train(*common, "--steps", "2", "--resume", str(ckpt), "--layers", "7", "--json", str(second))
+    assert r.returncode == 2 and "--layers 7: the checkpoint in --resume" in r.stderr, r.stderr[-2000:]
     r = train(*common, "--steps", "2", "--resume", str(ckpt), "--json", str(second))
     assert r.returncode == 0, r.stderr[-3000:]
     a = json.loads(straight.read_text())["steps"]
@@ -131,6 +133,13 @@ def test_bad_flags_and_paths_give_clear_errors(tmp_path, capsys):
     assert code == 2 and "--config" in err and "invalid choice" in err
     code, err = cli(capsys, "--memory-budget", "4")
     assert code == 2 and "--memory-budget: only with --compare" in err
+    code, err = cli(capsys, "--plot", str(tmp_path / "p.png"))
+    assert code == 2 and "--plot: only with --compare" in err
+    code, err = cli(capsys, "--dtype", "float16")
+    assert code == 2 and "--dtype: expected fp32 / float32 or bf16 / bfloat16, got 'float16'" in err
+    from dsa.train.__main__ import parser
+    assert parser().parse_args(["--dtype", "bfloat16"]).dtype == "bf16"
+    assert parser().parse_args(["--dtype", "float32"]).dtype == "fp32"
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
@@ -149,3 +158,15 @@ def test_bad_flags_and_paths_give_clear_errors(tmp_path, capsys):
         locked.chmod(0o700)
     code, err = cli(capsys, "--steps", "1", "--json", str(tmp_path / "ok.json"), "--resume", str(tmp_path))
     assert code == 2 and "--resume" in err and "trainer_state.pt" in err
+
+
+def test_a_missing_optional_package_names_its_extra_before_any_work(capsys, monkeypatch, tmp_path):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    code, err = cli(capsys, "--compare", "--json", str(tmp_path / "x.json"))
+    assert code == 2 and 'needs matplotlib, not installed: pip install "dsa[train]"' in err
+    assert not (tmp_path / "x.json").exists()
+    from dsa.generate import main as generate_main
+    assert generate_main(["--compare", "--no-progress"]) == 2
+    assert 'dsa-generate needs matplotlib' in capsys.readouterr().err

@@ -99,7 +99,9 @@ def main(argv=None) -> int:
     if args.list:
         for c in cases:
             print(f"{c.name}{'  (quick)' if c.quick else ''}: {', '.join(impls_of(c))}")
-        return 0
+        if not cases:
+            _log("dsa-bench: no case matches the selection")
+        return 0 if cases else 2
     if not cases:
         _log("dsa-bench: no case matches the selection")
         return 2

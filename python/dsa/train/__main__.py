@@ -18,6 +18,7 @@ import os
 import sys
 from dataclasses import fields
 
+from .._common import missing_extra
 from .loop import CONFIGS, DTYPES, RunSpec, check_writable
 
 
@@ -36,6 +37,17 @@ def _number(name, kind=int):
     return parse
 
 
+# torch's names for the dtypes, as transformers' arguments take them.
+_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def _dtype(text):
+    name = _DTYPE_ALIASES.get(text, text)
+    if name not in DTYPES:
+        raise argparse.ArgumentTypeError(f"--dtype: expected fp32 / float32 or bf16 / bfloat16, got {text!r}")
+    return name
+
+
 def parser() -> argparse.ArgumentParser:
     d = RunSpec()
     ap = argparse.ArgumentParser(prog="dsa-train", description=__doc__.split("\n\n")[0])
@@ -43,22 +55,30 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare", action="store_true", help="train every configuration and compare them")
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help="with --compare: which configurations, comma separated (default %(default)s)")
-    ap.add_argument("--steps", type=_number("--steps"), default=d.steps)
+    ap.add_argument("--steps", type=_number("--steps"), default=d.steps,
+                    help="optimizer steps this run trains (with --resume: that many more after the saved ones, "
+                         "not a total like transformers' max_steps; default %(default)s)")
     ap.add_argument("--warmup-steps", type=int, default=None,
                     help=f"steps left out of the step-time figures (default {d.warmup_steps}, fewer for short runs)")
-    ap.add_argument("--seq-len", type=_number("--seq-len"), default=d.seq_len)
-    ap.add_argument("--batch", type=_number("--batch"), default=d.batch)
-    ap.add_argument("--layers", type=_number("--layers"), default=d.layers)
-    ap.add_argument("--hidden", type=_number("--hidden"), default=d.hidden)
-    ap.add_argument("--heads", type=_number("--heads"), default=d.heads)
-    ap.add_argument("--head-dim", type=_number("--head-dim"), default=d.head_dim)
-    ap.add_argument("--index-topk", type=_number("--index-topk"), default=d.index_topk)
-    ap.add_argument("--dtype", choices=list(DTYPES), default=d.dtype)
-    ap.add_argument("--lr", type=_number("--lr", float), default=d.lr)
-    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--seq-len", type=_number("--seq-len"), default=d.seq_len,
+                    help="tokens per sequence (default %(default)s)")
+    ap.add_argument("--batch", type=_number("--batch"), default=d.batch, help="sequences per step (default %(default)s)")
+    ap.add_argument("--layers", type=_number("--layers"), default=d.layers,
+                    help="decoder layers of the random V4 model (default %(default)s)")
+    ap.add_argument("--hidden", type=_number("--hidden"), default=d.hidden, help="hidden size (default %(default)s)")
+    ap.add_argument("--heads", type=_number("--heads"), default=d.heads, help="attention heads (default %(default)s)")
+    ap.add_argument("--head-dim", type=_number("--head-dim"), default=d.head_dim,
+                    help="attention head dim (default %(default)s)")
+    ap.add_argument("--index-topk", type=_number("--index-topk"), default=d.index_topk,
+                    help="compressed entries each CSA query attends (default %(default)s)")
+    ap.add_argument("--dtype", type=_dtype, default=d.dtype, metavar="{fp32,bf16}",
+                    help="the model's dtype: fp32 / float32 or bf16 / bfloat16 (default %(default)s)")
+    ap.add_argument("--lr", type=_number("--lr", float), default=d.lr, help="AdamW learning rate (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=d.seed, help="model init and data order (default %(default)s)")
     ap.add_argument("--indexer-loss", choices=["sparse", "none"], default=d.indexer_loss,
                     help="indexer KL loss of patched runs (default %(default)s)")
-    ap.add_argument("--loss-coefficient", type=float, default=d.loss_coefficient)
+    ap.add_argument("--loss-coefficient", type=float, default=d.loss_coefficient,
+                    help="weight of the indexer KL in the loss (default %(default)s)")
     ap.add_argument("--threads", type=int, default=d.threads, help="torch / dsa threads (0: all cores)")
     ap.add_argument("--save", metavar="DIR", help="save_pretrained the model (and optimizer state) here at the end")
     ap.add_argument("--resume", metavar="DIR", help="continue from a folder written by --save")
@@ -66,9 +86,11 @@ def parser() -> argparse.ArgumentParser:
                     help="with --compare: find the most layers each configuration trains within GIB")
     ap.add_argument("--timeout", type=_number("--timeout", float), default=1800.0,
                     help="seconds one configuration may run before it is stopped (default %(default)s)")
-    ap.add_argument("--json", metavar="PATH", default="build/train.json")
-    ap.add_argument("--plot", metavar="PATH", default="build/train.png")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--json", metavar="PATH", default="build/train.json",
+                    help="every figure of the run as JSON (default %(default)s)")
+    ap.add_argument("--plot", metavar="PATH", default=None,
+                    help="with --compare: the PNG of loss and step time (default build/train.png)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--cp", type=_number("--cp"), default=d.cp, metavar="W",
                     help="context parallel over W ranks (gloo; start with torchrun --nproc-per-node W); "
                          "each rank trains on its contiguous run of every batch")
@@ -76,6 +98,33 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--_child-out", help=argparse.SUPPRESS)
     ap.add_argument("--_child-budget", type=float, help=argparse.SUPPRESS)
     return ap
+
+
+# The model-shape flags and the checkpoint config field each one sets.
+_SHAPE_FLAGS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "heads": "num_attention_heads",
+                "head_dim": "head_dim", "index_topk": "index_topk"}
+
+
+def _resume_shape(ap, args, argv) -> None:
+    """--resume trains the checkpoint's model: a shape flag given on the command line
+    that contradicts it is an error before any work, and the run's spec records the
+    checkpoint's shape (what trains), not the flags' defaults."""
+    config_file = os.path.join(args.resume, "config.json")
+    if not os.path.isfile(config_file):
+        return  # the loader reports a folder --save did not write
+    with open(config_file) as f:
+        saved = json.load(f)
+    quiet = parser()
+    for action in quiet._actions:
+        action.default = argparse.SUPPRESS
+    given = vars(quiet.parse_args(argv))
+    for flag, field in _SHAPE_FLAGS.items():
+        if field not in saved:
+            continue
+        if flag in given and given[flag] != saved[field]:
+            ap.error(f"--{flag.replace('_', '-')} {given[flag]}: the checkpoint in --resume {args.resume} has "
+                     f"{field} = {saved[field]}; --resume continues that model (drop the flag)")
+        setattr(args, flag, saved[field])
 
 
 def _log(msg: str) -> None:
@@ -121,6 +170,13 @@ def main(argv=None) -> int:
         else:
             write_json(run(spec), args._child_out)
         return 0
+    needed = ["transformers"] + ["tqdm"] * (not args.no_progress) + ["matplotlib"] * args.compare
+    missing = missing_extra(needed, "train", "dsa-train" + (" --compare" if args.compare else ""))
+    if missing:
+        print(f"dsa-train: error: {missing}", file=sys.stderr)
+        return 2
+    if args.resume and not args.compare:
+        _resume_shape(ap, args, sys.argv[1:] if argv is None else argv)
     if args.warmup_steps is None:
         args.warmup_steps = min(RunSpec().warmup_steps, args.steps - 1)
     names = {f.name for f in fields(RunSpec)}
@@ -133,11 +189,16 @@ def main(argv=None) -> int:
         ap.error(f"--threads: expected an integer >= 0, got {args.threads}")
     if args.memory_budget and not args.compare:
         ap.error("--memory-budget: only with --compare")
+    if args.plot is not None and not args.compare:
+        ap.error("--plot: only with --compare (the plot compares the configurations)")
+    if args.compare and args.plot is None:
+        args.plot = "build/train.png"
     _check_cp(ap, args)
     rank0 = int(os.environ.get("RANK", "0")) == 0 if args.cp > 1 else True
     try:
         for path, what in ((args.json, "--json"), (args.plot, "--plot")):
-            check_writable(path, what)
+            if path is not None:
+                check_writable(path, what)
         if args.compare:
             if args.save or args.resume:
                 ap.error("--save / --resume: not with --compare (each configuration runs in its own process)")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -79,7 +80,25 @@ class PatchState:
         self.fallbacks[reason] += 1
         if reason not in self.warned:
             self.warned.add(reason)
-            warnings.warn(f"dsa patch: running the model's own forward for calls with {reason}", stacklevel=3)
+            warnings.warn(f"dsa patch: running the model's own forward for calls with {reason}",
+                          stacklevel=_caller_stacklevel())
+
+
+def _library_dirs() -> tuple:
+    import torch
+    import transformers
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, transformers)) + (
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep,)
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel of the first frame outside torch, transformers and dsa: a fallback
+    warning then names the user's line (the model call), not torch's module.py."""
+    skip = _library_dirs()
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def env_value() -> Optional[str]:
