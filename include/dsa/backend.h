@@ -1,4 +1,4 @@
-// Backends (spec/ops.md section 3). The caller chooses; dsa never falls back.
+// Backends (docs/ops.md section 3). The caller chooses; dsa never falls back.
 // Threads, the parallel runner and dsa's memory are in dsa/runtime.h.
 #pragma once
 

@@ -1,4 +1,4 @@
-// DeepSeek-V4 KV compressor: gated, per-channel softmax pooling (spec/ops.md 4.5).
+// DeepSeek-V4 KV compressor: gated, per-channel softmax pooling (docs/ops.md 4.5).
 //
 // A sequence of L raw tokens yields L // m compressed entries (tail tokens are
 // dropped). Per channel, entry w is

@@ -1,4 +1,4 @@
-// Dense warm-up of the indexer (spec/ops.md 4.4): the main attention is dense,
+// Dense warm-up of the indexer (docs/ops.md 4.4): the main attention is dense,
 // only the indexer trains, and no [T, S] tensor is ever built.
 //
 //   indexer_lse[t] = log sum_{visible s} exp(I[t, s])            (+inf for empty rows)

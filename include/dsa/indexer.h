@@ -1,4 +1,4 @@
-// Lightning indexer with top-k selection (spec/ops.md 4.1).
+// Lightning indexer with top-k selection (docs/ops.md 4.1).
 //
 //   I[t, s] = scale * sum_j weights[t, j] * max(0, q[t, j] . k[s])
 //

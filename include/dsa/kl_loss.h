@@ -1,4 +1,4 @@
-// Sparse indexer KL loss (spec/ops.md 4.3): trains the lightning indexer to
+// Sparse indexer KL loss (docs/ops.md 4.3): trains the lightning indexer to
 // imitate the main attention on the indexer's own selection.
 //
 //   teacher  P_h(t, i) = exp(scale * q_h . kv[idx_i] - max_h) / (sum_h [+ exp(sink_h - max_h)])

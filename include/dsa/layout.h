@@ -1,4 +1,4 @@
-// Layouts and lengths (spec/ops.md section 1).
+// Layouts and lengths (docs/ops.md section 1).
 //
 // In C++ every length array is cu_seqlens: B+1 non-decreasing entries starting
 // at 0. For TND they index the packed token dimension; for BSND entry b+1 - b is

@@ -1,4 +1,4 @@
-// Sparse attention with one shared KV head (spec/ops.md 4.2).
+// Sparse attention with one shared KV head (docs/ops.md 4.2).
 //
 // Keys are all D dims of `kv` (plus `key_rope`), values its first d_v dims:
 // K and V are the same tensor, so the backward's dkv carries both the key

@@ -1,4 +1,4 @@
-"""dsa_compressor: DeepSeek-V4's gated per-channel softmax pooling (spec/ops.md 4.5)."""
+"""dsa_compressor: DeepSeek-V4's gated per-channel softmax pooling (docs/ops.md 4.5)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,4 @@
-"""Dense warm-up of the indexer (spec/ops.md 4.4): dsa_dense_indexer_lse and
+"""Dense warm-up of the indexer (docs/ops.md 4.4): dsa_dense_indexer_lse and
 dsa_dense_indexer_kl_loss. The fused backend never builds a [T, S] tensor."""
 from __future__ import annotations
 

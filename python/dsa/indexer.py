@@ -1,4 +1,4 @@
-"""dsa_indexer: the lightning indexer with top-k selection (spec/ops.md 4.1)."""
+"""dsa_indexer: the lightning indexer with top-k selection (docs/ops.md 4.1)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,4 @@
-"""dsa_kl_loss: the sparse indexer KL loss (spec/ops.md 4.3)."""
+"""dsa_kl_loss: the sparse indexer KL loss (docs/ops.md 4.3)."""
 from __future__ import annotations
 
 from typing import Optional

@@ -1,4 +1,4 @@
-"""Model-level helpers of a DeepSeek-V4 attention layer (spec/ops.md 4.5, section 5)."""
+"""Model-level helpers of a DeepSeek-V4 attention layer (docs/ops.md 4.5, section 5)."""
 from __future__ import annotations
 
 import enum

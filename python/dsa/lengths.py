@@ -1,4 +1,4 @@
-"""Length conventions (spec/ops.md section 1) and conversions between them.
+"""Length conventions (docs/ops.md section 1) and conversions between them.
 
 Three forms exist:
 

@@ -1,4 +1,4 @@
-"""dsa_sparse_attention: sparse attention with one shared KV head (spec/ops.md 4.2)."""
+"""dsa_sparse_attention: sparse attention with one shared KV head (docs/ops.md 4.2)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-// Reference KV compressor: spec/ops.md 4.5 written out literally, in double.
+// Reference KV compressor: docs/ops.md 4.5 written out literally, in double.
 #include <algorithm>
 #include <cmath>
 #include <limits>

@@ -1,4 +1,4 @@
-// Reference dense warm-up ops: spec/ops.md 4.4, literally, one (query, key) pair at a time.
+// Reference dense warm-up ops: docs/ops.md 4.4, literally, one (query, key) pair at a time.
 #include <algorithm>
 #include <cmath>
 #include <vector>

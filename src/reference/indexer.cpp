@@ -1,4 +1,4 @@
-// Reference lightning indexer: spec/ops.md 4.1, literally, one query at a time.
+// Reference lightning indexer: docs/ops.md 4.1, literally, one query at a time.
 #include <algorithm>
 #include <cmath>
 #include <vector>

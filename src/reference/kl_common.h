@@ -1,4 +1,4 @@
-// Shared pieces of the reference KL losses (spec/ops.md 4.3, 4.4): one (query,
+// Shared pieces of the reference KL losses (docs/ops.md 4.3, 4.4): one (query,
 // key) pair at a time, in double.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Reference sparse indexer KL loss: spec/ops.md 4.3, literally, one row at a time.
+// Reference sparse indexer KL loss: docs/ops.md 4.3, literally, one row at a time.
 #include <algorithm>
 #include <cmath>
 #include <vector>

@@ -1,4 +1,4 @@
-// Reference sparse attention: spec/ops.md 4.2, literally, one query and head at
+// Reference sparse attention: docs/ops.md 4.2, literally, one query and head at
 // a time, in double precision. The oracle of the fused backends.
 #include <algorithm>
 #include <cmath>

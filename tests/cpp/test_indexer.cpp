@@ -1,4 +1,4 @@
-// Lightning indexer (spec/ops.md 4.1): fused CPU backend against the reference
+// Lightning indexer (docs/ops.md 4.1): fused CPU backend against the reference
 // backend on every ISA path this machine has, thread-count determinism, bad
 // inputs, and the sequence planner both backends share.
 #include <gtest/gtest.h>
@@ -222,7 +222,7 @@ void expect_identical(const Result& a, const Result& b, const std::string& where
   }
 }
 
-// Rounded data: the quality.md top-k rule against the reference's full scores.
+// Rounded data: the docs/testing.md top-k rule against the reference's full scores.
 void expect_close_selection(const Problem& p, const Result& fused, const Result& ref, const Result& full,
                             std::int64_t full_k, const std::string& where) {
   const std::int64_t topk = p.params.topk;

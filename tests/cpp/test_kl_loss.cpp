@@ -1,4 +1,4 @@
-// KL losses (spec/ops.md 4.3, 4.4): the fused CPU backend against the
+// KL losses (docs/ops.md 4.3, 4.4): the fused CPU backend against the
 // reference on small problems, on every ISA path, and bit-identical for
 // 1 and 2 threads; bad inputs are rejected before anything is written.
 #include <gtest/gtest.h>

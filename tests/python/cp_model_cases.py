@@ -7,7 +7,7 @@ indexer KL as the sum of the ranks' shares; every parameter's gradient all-reduc
 (SUM) over the ranks. fp32, relative error <= 1e-4 (Checker.close). Where the
 unpatched transformers model computes the same thing (V3.2 packed with use_cache=False,
 V4 on one document; transformers' packed V4 pools across documents), the CP run is
-also held to quality.md's rule against it and its float64 twin (_hf_models.check_rule).
+also held to docs/testing.md's rule against it and its float64 twin (_hf_models.check_rule).
 """
 from __future__ import annotations
 

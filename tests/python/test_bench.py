@@ -1,6 +1,6 @@
 """The benchmark harness works: discovery, timing, memory measurement, table, JSON, CLI.
 
-Performance itself is never asserted here (quality.md); these check the machinery
+Performance itself is never asserted here (docs/testing.md); these check the machinery
 on tiny cases so a broken `make run` shows up in `make test`.
 """
 from __future__ import annotations

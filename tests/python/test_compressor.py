@@ -1,4 +1,4 @@
-"""dsa_compressor (spec/ops.md 4.5): fused and reference backends against an
+"""dsa_compressor (docs/ops.md 4.5): fused and reference backends against an
 independent float64 PyTorch oracle (python/dsa/naive.py) and against the pooling
 inside Hugging Face transformers' DeepSeek-V4 compressors."""
 from __future__ import annotations
@@ -34,7 +34,7 @@ def run_with_grads(fn, kv, gate, bias, grad_seed=1):
 
 
 def assert_rule(fused, naive_same, oracle, dtype, what):
-    """quality.md: max|fused - oracle64| <= 2 max|naive_same - oracle64| + 1e-5;
+    """docs/testing.md: max|fused - oracle64| <= 2 max|naive_same - oracle64| + 1e-5;
     fp32: relative error <= 1e-4. Non-finite values must sit in the same places."""
     fused, naive_same, oracle = fused.double(), naive_same.double(), oracle.double()
     assert torch.equal(torch.isfinite(fused), torch.isfinite(oracle)), what

@@ -1,4 +1,4 @@
-"""dsa_indexer (spec/ops.md 4.1) against the float64 oracle in dsa.naive (quality.md rules)."""
+"""dsa_indexer (docs/ops.md 4.1) against the float64 oracle in dsa.naive (docs/testing.md rules)."""
 from __future__ import annotations
 
 import math
@@ -100,7 +100,7 @@ def _score_kwargs(kwargs):
 
 
 def tolerance(q, k, w, kwargs, oracle_full) -> float:
-    """quality.md: 2 * max|naive_same_dtype - oracle64| + 1e-5; fp32: relative 1e-4."""
+    """docs/testing.md: 2 * max|naive_same_dtype - oracle64| + 1e-5; fp32: relative 1e-4."""
     finite = [r[torch.isfinite(r)] for r in oracle_full if r.numel()]
     scale = max([float(r.abs().max()) for r in finite if r.numel()], default=0.0)
     if q.dtype == torch.float32:
@@ -115,7 +115,7 @@ def tolerance(q, k, w, kwargs, oracle_full) -> float:
 
 
 def check_selection(indices, scores, q, k, w, kwargs, *, what=""):
-    """The quality.md top-k rule against the fp64 oracle; `scores` may be None."""
+    """The docs/testing.md top-k rule against the fp64 oracle; `scores` may be None."""
     topk = kwargs["topk"]
     oracle_idx, _ = oracle_indexer(q, k, w, **kwargs)
     full = oracle_indexer_full_scores(q, k, w, **_score_kwargs(kwargs))

@@ -1,4 +1,4 @@
-"""A composed check of a DeepSeek-V3.2 layer's indexer training (spec/ops.md 5).
+"""A composed check of a DeepSeek-V3.2 layer's indexer training (docs/ops.md 5).
 
 A tiny indexer (three linear projections of a fixed hidden state) is trained by
 SGD to imitate a fixed main attention, first in the dense warm-up (dense

@@ -1,4 +1,4 @@
-"""dsa_kl_loss, dsa_dense_indexer_lse, dsa_dense_indexer_kl_loss (spec/ops.md 4.3, 4.4)
+"""dsa_kl_loss, dsa_dense_indexer_lse, dsa_dense_indexer_kl_loss (docs/ops.md 4.3, 4.4)
 against the independent float64 PyTorch implementation in dsa.naive."""
 import math
 import subprocess
@@ -25,7 +25,7 @@ def max_err(a, b):
 
 
 def check(name, fused, naive_same_dtype, oracle):
-    """quality.md: fp32 -> relative error <= 1e-4; else <= 2 * naive error + 1e-5."""
+    """docs/testing.md: fp32 -> relative error <= 1e-4; else <= 2 * naive error + 1e-5."""
     err = max_err(fused, oracle)
     if fused.dtype in (torch.float32,) and naive_same_dtype is None:
         scale = oracle.double()[torch.isfinite(oracle)].abs().max().item() if oracle.numel() else 0.0

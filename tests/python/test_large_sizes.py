@@ -59,7 +59,7 @@ def _tail_reference(query, kv_tail, kw):
 
 
 def _assert_rule(name, got, oracle, naive):
-    """quality.md's rule for bf16: within 2x the naive peer's error, + 1e-5."""
+    """docs/testing.md's rule for bf16: within 2x the naive peer's error, + 1e-5."""
     x, w, n = got.double(), oracle[name].double(), naive[name].double()
     assert torch.equal(torch.isinf(x), torch.isinf(w)), name
     fin = torch.isfinite(w)

@@ -1,5 +1,5 @@
 """Property tests (hypothesis): random valid configurations of every op match the
-float64 oracle within the quality.md tolerance rule, forward and backward, on both
+float64 oracle within the docs/testing.md tolerance rule, forward and backward, on both
 backends; random bad configurations raise ValueError naming the argument and leave
 inputs (and, at the C++ boundary, the caller's outputs) untouched.
 

@@ -1,4 +1,4 @@
-"""dsa_sparse_attention against an independent float64 PyTorch oracle (quality.md rule).
+"""dsa_sparse_attention against an independent float64 PyTorch oracle (docs/testing.md rule).
 
 For every output, statistic and gradient:
 ``max|x - oracle64| <= 2 * max|naive_same_dtype - oracle64| + 1e-5``; fp32 inputs:

@@ -1,7 +1,7 @@
 """The patched transformers DeepSeek models against the unpatched ones (same weights).
 
 Oracle: the unpatched model in float64; naive peer: the unpatched model in the test
-dtype (quality.md's rule). Every parameter's gradient is compared, including which
+dtype (docs/testing.md's rule). Every parameter's gradient is compared, including which
 parameters get none.
 """
 from __future__ import annotations

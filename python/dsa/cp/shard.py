@@ -4,7 +4,7 @@ Notation (docs/context_parallel.md): W ranks; the packed stream of T tokens is s
 contiguously, rank r holding global rows ``[o_r, E_r)``; document i spans ``[s_i, e_i)``.
 Every rank runs the normal ops on its local queries against the *prefix* ``[0, E_r)`` of
 the gathered key stream, keeping every document (empty segments allowed), so bottom-right
-alignment (spec/ops.md section 1) supplies the causal offset and the kernels need no CP
+alignment (docs/ops.md section 1) supplies the causal offset and the kernels need no CP
 knowledge.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Plain PyTorch versions of the dsa ops, written from spec/ops.md and nothing else,
+"""Plain PyTorch versions of the dsa ops, written from docs/ops.md and nothing else,
 one module per op family.
 
 In float64 they are the oracle of the Python tests; in the working dtype they are the

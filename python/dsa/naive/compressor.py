@@ -1,4 +1,4 @@
-"""Naive PyTorch dsa_compressor (spec/ops.md 4.5): float64 oracle and benchmark peer."""
+"""Naive PyTorch dsa_compressor (docs/ops.md 4.5): float64 oracle and benchmark peer."""
 from __future__ import annotations
 
 from typing import Optional
@@ -41,7 +41,7 @@ def _pool_blocks(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tens
 def naive_compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, *, ratio: int,
                      overlap: Optional[bool] = None, query_lengths=None, layout: str = "TND",
                      guard_empty: bool = True) -> torch.Tensor:
-    """spec/ops.md 4.5 in plain torch; returns the compressed tensor (TND
+    """docs/ops.md 4.5 in plain torch; returns the compressed tensor (TND
     [S_cmp, c], BSND [B, Sk // ratio, c] with zero rows past each row's count).
     ``guard_empty=False`` drops the all -inf rule (NaN there), as a model would."""
     if overlap is None:

@@ -1,4 +1,4 @@
-"""Independent pure-PyTorch implementations written from spec/ops.md.
+"""Independent pure-PyTorch implementations written from docs/ops.md.
 
 In float64 they are the test oracle; in the working dtype they are the "naive
 PyTorch peer" of the benchmarks (composed of torch ops as an unfused model would
@@ -79,7 +79,7 @@ def _indexer_scores(iq, ik, w, index_scale):
 def naive_kl_loss(query, kv, indices, softmax_max, softmax_sum, index_query, index_key, weights, *, scale,
                   index_scale=1.0, sinks=None, cmp_ratio=1, query_rope=None, key_rope=None, query_lengths=None,
                   key_lengths=None, layout="TND", loss_coefficient=1.0, reduction="mean"):
-    """spec/ops.md 4.3 with the full [rows, K] teacher matrix (differentiable like the op)."""
+    """docs/ops.md 4.3 with the full [rows, K] teacher matrix (differentiable like the op)."""
     bsnd = layout == "BSND"
     keep_kv = 1
     kv2 = kv.squeeze(-2) if kv.dim() == (4 if bsnd else 3) else kv
@@ -160,7 +160,7 @@ def naive_dense_indexer_kl_loss(index_query, index_key, head_weights, query, key
                                 indexer_lse, *, scale, index_scale=1.0, query_rope=None, key_rope=None,
                                 query_lengths=None, key_lengths=None, layout="TND", loss_coefficient=1.0,
                                 reduction="mean"):
-    """spec/ops.md 4.4 with the full [H, Lq, Lk] teacher per sequence."""
+    """docs/ops.md 4.4 with the full [H, Lq, Lk] teacher per sequence."""
     bsnd = layout == "BSND"
     lead = 2 if bsnd else 1
     ik2 = index_key.squeeze(-2) if index_key.dim() == lead + 2 else index_key

@@ -1,4 +1,4 @@
-"""Plain PyTorch sparse attention (spec/ops.md 4.2), written from the spec and nothing else.
+"""Plain PyTorch sparse attention (docs/ops.md 4.2), written from the spec and nothing else.
 
 * ``naive_sparse_attention`` computes in the inputs' dtype, composed of torch ops the way
   an unfused model runs it (gather, einsum, masked softmax with a sink column, einsum);

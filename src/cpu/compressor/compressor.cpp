@@ -1,4 +1,4 @@
-// Fused CPU KV compressor (spec/ops.md 4.5): one streaming pass per block.
+// Fused CPU KV compressor (docs/ops.md 4.5): one streaming pass per block.
 //
 // Work is split into tasks of consecutive compressed entries (whole rows, so
 // a task streams contiguous memory, which the hardware prefetchers follow).

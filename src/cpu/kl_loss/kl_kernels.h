@@ -1,4 +1,4 @@
-// Fused CPU KL losses (spec/ops.md 4.3, 4.4): the kernel tables kl_loss.cpp
+// Fused CPU KL losses (docs/ops.md 4.3, 4.4): the kernel tables kl_loss.cpp
 // selects from (cpu/select.h).
 // - generic (kl_generic.inc, compiled per ISA: portable, AVX2, AVX-512): every problem;
 // - on bf16 pairs (sparse: kl_sparse_pairs.inc, dense: kl_dense_pairs.inc), one

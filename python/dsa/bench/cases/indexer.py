@@ -1,4 +1,4 @@
-"""Benchmark cases of the lightning indexer with top-k (spec/ops.md 4.1).
+"""Benchmark cases of the lightning indexer with top-k (docs/ops.md 4.1).
 
 DeepSeek-V3.2 indexer shapes: Hi = 64 heads of Di = 128, top-2048, one causal
 sequence (T = S). FLOPs over valid work: ``2 * Hi * Di * pairs`` with

@@ -1,4 +1,4 @@
-"""Benchmark cases of the KL losses (spec/ops.md 4.3, 4.4): forward + backward.
+"""Benchmark cases of the KL losses (docs/ops.md 4.3, 4.4): forward + backward.
 
 Shapes follow DeepSeek-V3.2: indexer Hi=64, Di=128, top-2048; main attention
 H=64, MQA d_qk=576 for the sparse loss, MHA D=128 + rope 64 for the dense loss.

@@ -1,4 +1,4 @@
-"""Benchmark cases of sparse attention with one shared KV head (spec/ops.md 4.2), bf16.
+"""Benchmark cases of sparse attention with one shared KV head (docs/ops.md 4.2), bf16.
 
 * DeepSeek-V3.2 sparse: H = 64 and 128 heads, d_qk = 576 (kv [S, 576]), d_v = 512,
   top-2048 indices (random distinct visible positions, a stand-in for the indexer's);
