@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import _cp, _geometry, _loss, _ops
+from ...lengths import ends_from_lengths
 from ._cache import DsaCache
 from ._checks import cache_layer_reason, call_reason, require_paged_call
 from ._mask import DsaMask, for_original, original_of, run_original
@@ -226,7 +227,7 @@ def _paged_forward(self, hidden_states, position_embeddings, attention_mask, cac
     # valid queries are its last rows), through the prefill ops.
     keys = layer.latent.gather(lengths, kv.dtype)
     index_keys = layer.index_keys.gather(lengths, ik.dtype)
-    spans = dict(query_lengths=_ends(counts), key_lengths=_ends(lengths), layout="TND",
+    spans = dict(query_lengths=ends_from_lengths(counts), key_lengths=ends_from_lengths(lengths), layout="TND",
                  backend=st.options.backend)
     indices = dsa_indexer(iq[valid], index_keys, iw[valid], topk=ix.index_topk, scale=ix.softmax_scale, **spans)
     out, _, _ = dsa_sparse_attention(query[valid], keys, indices, scale=self.scaling, d_v=self.kv_lora_rank,
@@ -235,14 +236,6 @@ def _paged_forward(self, hidden_states, position_embeddings, attention_mask, cac
     full[valid] = out
     out = torch.einsum("bshr,hvr->bshv", full, w_uv)
     return self.o_proj(out.reshape(batch, seq, self.num_heads * self.v_head_dim)), None
-
-
-def _ends(lengths):
-    ends, total = [], 0
-    for n in lengths:
-        total += n
-        ends.append(total)
-    return ends
 
 
 def indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids,

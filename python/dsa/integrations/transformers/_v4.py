@@ -11,6 +11,7 @@ import torch
 from ... import (dsa_compressor_append, dsa_indexer, dsa_indexer_decode, dsa_sparse_attention,
                   dsa_sparse_attention_decode)
 from . import _cp, _geometry, _loss, _metrics, _ops
+from ...lengths import ends_from_lengths
 from ._cache import DsaCache
 from ._checks import cache_layer_reason, call_reason, require_paged_call
 from ._mask import DsaMask, run_original
@@ -331,14 +332,14 @@ def _paged_forward(self, hidden_states, position_embeddings, position_ids, atten
                                              backend=backend, **extra)
     else:
         # The prompt: this call's valid rows, one sequence per request, on the prefill ops.
-        ends = _ends(counts)
+        ends = ends_from_lengths(counts)
         spans = dict(query_lengths=ends, key_lengths=ends, layout="TND", backend=backend)
         extra = {}
         if has_entries:
-            cmp_kv = _gather_entries(layer.compressor.entries, entries, kv.dtype)
+            cmp_kv = layer.compressor.entries.gather(entries, kv.dtype)
             cmp_idx = None
             if csa:
-                index_keys = _gather_entries(layer.indexer.entries, index_entries, iq.dtype)
+                index_keys = layer.indexer.entries.gather(index_entries, iq.dtype)
                 cmp_idx = dsa_indexer(iq[valid], index_keys, iw[valid], topk=ix.index_topk,
                                       scale=ix.scorer.softmax_scale, cmp_ratio=ix.compress_rate, **spans)
             extra = dict(cmp_kv=cmp_kv, cmp_indices=cmp_idx, cmp_ratio=comp.compress_rate)
@@ -349,19 +350,6 @@ def _paged_forward(self, hidden_states, position_embeddings, position_ids, atten
     out = _rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
     grouped = self.o_a_proj(out.reshape(batch, seq, self.config.o_groups, -1)).flatten(2)
     return self.o_b_proj(grouped), None
-
-
-def _gather_entries(stream, counts, dtype):
-    """Every request's entries from its entry cache, back to back ([sum of counts, dim])."""
-    return stream.gather(counts, dtype)
-
-
-def _ends(lengths):
-    ends, total = [], 0
-    for n in lengths:
-        total += n
-        ends.append(total)
-    return ends
 
 
 # ---- sas=False: the model's attention runs, with its compressor and indexer on dsa ----
