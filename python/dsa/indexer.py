@@ -52,6 +52,8 @@ def dsa_indexer(index_query: torch.Tensor, index_key: torch.Tensor, weights: tor
     check_tensor(index_key, "index_key")
     check_tensor(weights, "weights")
     check_int(topk, "topk", 1)
+    if topk > 2 ** 31 - 1:  # before the output [T, topk] is allocated
+        raise ValueError(f"topk: expected at most 2^31 - 1 (positions are int32), got {topk}")
     check_int(cmp_ratio, "cmp_ratio", 1)
     check_layout(layout)
     check_backend(backend)

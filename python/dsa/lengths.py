@@ -77,6 +77,9 @@ def as_length_tensor(value: Lengths, name: str) -> Optional[torch.Tensor]:
         items.append(v)
     if not items:
         raise ValueError(f"{name}: expected at least one sequence, got an empty list")
+    for i, v in enumerate(items):  # ends (TND) and row lengths (BSND) alike are never negative
+        if v < 0:
+            raise ValueError(f"{name}: expected values >= 0, got {v} at position {i} of {items}")
     return torch.tensor(items, dtype=torch.int64)
 
 

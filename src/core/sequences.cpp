@@ -40,7 +40,8 @@ SequencePlan plan_sequences(const LengthSpec& spec) {
                   batch);
 
   CuSeqlens cu_k;
-  if (spec.cu_k && !spec.cu_k->empty()) {
+  const bool keys_given = spec.cu_k && !spec.cu_k->empty();
+  if (keys_given) {
     cu_k = *spec.cu_k;
   } else if (has_raw) {
     cu_k = tnd ? CuSeqlens{0, spec.k_extent} : full(spec.batch, spec.k_extent);
@@ -48,9 +49,13 @@ SequencePlan plan_sequences(const LengthSpec& spec) {
     cu_k = cu_q;  // compressed keys only: the raw keys are the queries' own tokens
   }
   check_cu(cu_k, "key_lengths");
-  if (static_cast<std::int64_t>(cu_k.size()) - 1 != batch)
-    fail_argument("key_lengths: expected ", batch, " sequences like query_lengths, got ",
-                  cu_k.size() - 1);
+  if (static_cast<std::int64_t>(cu_k.size()) - 1 != batch) {
+    // Without key_lengths the raw keys are one sequence: say so rather than count it.
+    if (!keys_given)
+      fail_argument("key_lengths: not given, so the keys are one sequence, but query_lengths holds ", batch,
+                    "; pass key_lengths too (the keys' cumulative ends, one per query sequence)");
+    fail_argument("key_lengths: expected ", batch, " sequences like query_lengths, got ", cu_k.size() - 1);
+  }
 
   SequencePlan plan;
   plan.q_rows = tnd ? spec.q_extent : spec.batch * spec.q_extent;
