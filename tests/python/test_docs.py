@@ -36,3 +36,27 @@ def test_relative_links_in_the_docs_resolve():
             if not (doc.parent / target).exists():
                 broken.append(f"{doc.relative_to(ROOT)} -> {target}")
     assert not broken, "\n".join(broken)
+
+
+def _block(language: str, after: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"```{language}\n", text.index(after)) + len(language) + 4
+    return text[start:text.index("```\n", start)]
+
+
+def test_readme_cpp_snippet_is_the_example_make_test_builds_and_runs():
+    # tools/test_install.sh builds examples/indexer_example.cpp against the installed
+    # package (find_package) and runs it; ctest runs it from the build tree.
+    assert _block("cpp", "## C++") == (ROOT / "examples" / "indexer_example.cpp").read_text()
+
+
+def test_readme_python_snippet_runs(tmp_path):
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "readme.py"
+    script.write_text(_block("python", "## Python"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tensor(" in proc.stdout and "'works': True" in proc.stdout
