@@ -27,3 +27,14 @@ if [ ! -x .venv/bin/python ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; th
   .venv/bin/python -m pip install -q -r requirements.txt
   echo "$want" > "$stamp"
 fi
+
+# The console scripts `pip install .` installs (pyproject.toml), for this checkout, whose
+# package the Makefile puts on PYTHONPATH: dsa-train, dsa-bench and dsa-generate run from
+# .venv/bin as the docs write them. Rewritten every time (cheap): the checkout may move.
+root=$(pwd)
+for entry in "dsa-train dsa.train" "dsa-bench dsa.bench" "dsa-generate dsa.generate"; do
+  set -- $entry
+  printf '#!/bin/sh\nPYTHONPATH="%s/python${PYTHONPATH:+:$PYTHONPATH}" exec "%s/.venv/bin/python" -m %s "$@"\n' \
+    "$root" "$root" "$2" > ".venv/bin/$1"
+  chmod +x ".venv/bin/$1"
+done

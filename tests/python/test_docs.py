@@ -60,3 +60,14 @@ def test_readme_python_snippet_runs(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tensor(" in proc.stdout and "'works': True" in proc.stdout
+
+
+def test_the_console_scripts_run_from_the_venv_make_sets_up():
+    # tools/setup.sh (make run / make test) writes them, as `pip install .` would.
+    import subprocess
+    for name, words in (("dsa-train", "usage: dsa-train"), ("dsa-bench", "usage: dsa-bench"),
+                        ("dsa-generate", "usage: dsa-generate")):
+        script = ROOT / ".venv" / "bin" / name
+        assert script.is_file(), f"{script}: run tools/setup.sh (make test does)"
+        proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and words in proc.stdout, proc.stderr[-2000:]
