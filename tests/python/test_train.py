@@ -31,6 +31,7 @@ def test_resume_continues_the_saved_run(tmp_path):
     common = ["--config", "sas+li", "--warmup-steps", "0"]
     r = train(*common, "--steps", "4", "--json", str(straight))
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "USDT" not in r.stdout + r.stderr  # torch's profiler start/stop lines (the op breakdown)
     r = train(*common, "--steps", "2", "--save", str(ckpt), "--json", str(first))
     assert r.returncode == 0, r.stderr[-3000:]
     assert (ckpt / "config.json").is_file() and (ckpt / "trainer_state.pt").is_file()

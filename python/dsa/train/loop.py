@@ -6,6 +6,7 @@ import math
 import os
 import re
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -426,6 +427,22 @@ def search_layers(spec: RunSpec, budget_gib: float, log=lambda msg: None) -> dic
             "measured": {str(k): v for k, v in sorted(measured.items())}}
 
 
+class _c_stderr_silenced:
+    """File descriptor 2 pointed at /dev/null for the block (C libraries print there
+    directly; Python's sys.stderr is flushed first and unaffected afterwards)."""
+
+    def __enter__(self):
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+
+    def __exit__(self, *exc):
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+
+
 def op_breakdown(model, ids: torch.Tensor) -> dict:
     """Where a step's time goes: one more forward and backward on the last batch (no
     optimizer step, the gradients dropped, so the run's results are untouched) under
@@ -449,16 +466,25 @@ def op_breakdown(model, ids: torch.Tensor) -> dict:
                 ops[name] = ops.get(name, 0.0) + ev.cpu_time_total / 1e6
         return ops
 
+    def profiled(fn):
+        # The profiler's start and stop print "USDT: ... profiler_start / _stop" lines on
+        # the C stderr: silenced for those two calls only, not for the model's work.
+        prof = profile(activities=[ProfilerActivity.CPU])
+        with _c_stderr_silenced():
+            prof.start()
+        try:
+            t0 = time.perf_counter()
+            result = fn()
+            seconds = time.perf_counter() - t0
+        finally:
+            with _c_stderr_silenced():
+                prof.stop()
+        return result, (seconds, prof)
+
     model.zero_grad(set_to_none=True)
     phases = {}
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        phases["forward"] = (time.perf_counter() - t0, prof)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        loss.backward()
-        phases["backward"] = (time.perf_counter() - t0, prof)
+    loss, phases["forward"] = profiled(lambda: model(input_ids=ids, labels=ids, use_cache=False).loss)
+    _, phases["backward"] = profiled(loss.backward)
     model.zero_grad(set_to_none=True)
     out = {}
     for name, (seconds, prof) in phases.items():
