@@ -171,3 +171,20 @@ def test_a_missing_optional_package_names_its_extra_before_any_work(capsys, monk
     from dsa.generate import main as generate_main
     assert generate_main(["--compare", "--no-progress"]) == 2
     assert 'dsa-generate needs matplotlib' in capsys.readouterr().err
+
+
+def test_a_disturbed_step_timing_is_flagged_in_the_table():
+    from dsa.train.compare import tables
+
+    def run(times):
+        return {"step_seconds": {"median": sorted(times)[len(times) // 2], "min": min(times), "max": max(times)},
+                "tokens_per_s": 1000.0, "memory_gib": {"peak_rss": 1.0}, "loss_first": 5.0, "loss_last": 4.0,
+                "layer_types": ["sliding"], "layer_seconds_by_type": {"sliding": 0.1}}
+
+    spec = dict(layers=2, hidden=64, heads=2, head_dim=32, seq_len=128, batch=1, dtype="fp32", steps=3,
+                warmup_steps=0)
+    calm = tables({"spec": spec, "runs": {"unpatched": run([1.0, 1.1, 1.05]), "sas+li": run([0.5, 0.52, 0.51])}})
+    assert "*" not in calm
+    busy = tables({"spec": spec, "runs": {"unpatched": run([1.0, 1.1, 1.05]), "sas+li": run([0.5, 30.0, 0.51])}})
+    assert "* step times of sas+li spread over 1.5x" in busy
+    assert [line for line in busy.splitlines() if line.startswith("sas+li")][0].split()[3].endswith("*")

@@ -72,6 +72,16 @@ def _fmt(x, nd=2):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
+# Steady steps of one run do the same work: a slowest step this many times the fastest
+# means other load took the cores for part of the run (once one disturbed step of
+# --steps 3 printed a speed-up of 0.02 with no word of it).
+DISTURBED_SPREAD = 1.5
+
+
+def _disturbed(step_seconds: dict) -> bool:
+    return step_seconds.get("min", 0) > 0 and step_seconds["max"] > DISTURBED_SPREAD * step_seconds["min"]
+
+
 def tables(result: dict) -> str:
     runs = result["runs"]
     lines = []
@@ -85,6 +95,7 @@ def tables(result: dict) -> str:
     lines += [head, "-" * len(head)]
     base = runs.get("unpatched", {})
     base_t = base.get("step_seconds", {}).get("median")
+    disturbed = {name for name, r in runs.items() if "step_seconds" in r and _disturbed(r["step_seconds"])}
     for name, r in runs.items():
         if "error" in r:
             lines.append(f"{name:<10} failed: {r['error']}")
@@ -94,9 +105,13 @@ def tables(result: dict) -> str:
             continue
         st = r["step_seconds"]
         speed = base_t / st["median"] if base_t else None
-        lines.append(f"{name:<10} {st['median']:>13.2f} {st['min']:>6.2f}-{st['max']:<6.2f} {_fmt(speed):>8} "
+        mark = "*" if name in disturbed or (speed is not None and "unpatched" in disturbed) else " "
+        lines.append(f"{name:<10} {st['median']:>13.2f} {st['min']:>6.2f}-{st['max']:<6.2f} {_fmt(speed):>7}{mark} "
                      f"{r['tokens_per_s']:>9.0f} {r['memory_gib']['peak_rss']:>9.2f} "
                      f"{r['loss_first']:>8.3f}->{r['loss_last']:<8.3f}")
+    if disturbed:
+        lines.append(f"* step times of {', '.join(sorted(disturbed))} spread over {DISTURBED_SPREAD:g}x from fastest "
+                     "to slowest: the machine was busy with something else; rerun before trusting these speed-ups")
     lines.append("")
     types = next((r["layer_types"] for r in runs.values() if "layer_types" in r), [])
     kinds = sorted(set(types), key=types.index)
