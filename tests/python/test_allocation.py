@@ -115,11 +115,14 @@ def test_output_too_large_for_any_machine(allocator):
         dsa.dsa_indexer(torch.randn(4096, 1, 8), torch.randn(4096, 8), torch.randn(4096, 1), topk=128)
         gc.collect()  # now, not later
         assert dsa.buffer_pool_stats()["free_bytes"] > 0
-        topk = 1 << 42  # indices [4, 2^42] int32: 64 TiB
+        # indices [512, 2^31 - 1] int32: 4 TiB (the largest topk int32 positions allow;
+        # a larger one is refused as an argument before anything is allocated)
+        T, topk = 512, (1 << 31) - 1
+        big = torch.randn(T, 2, 8), torch.randn(T, 8), torch.randn(T, 2)
         with pytest.raises(RuntimeError) as info:
-            dsa.dsa_indexer(q, k, w, topk=topk)
+            dsa.dsa_indexer(*big, topk=topk)
         message = str(info.value)
-        assert f"dsa_indexer: out of memory: could not allocate {4 * topk * 4} bytes" in message, message
+        assert f"dsa_indexer: out of memory: could not allocate {T * topk * 4} bytes" in message, message
         assert dsa.buffer_pool_stats()["free_bytes"] == 0
     finally:
         gc.enable()
