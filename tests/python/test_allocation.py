@@ -124,10 +124,10 @@ def test_output_too_large_for_any_machine(allocator):
         message = str(info.value)
         assert f"dsa_indexer: out of memory: could not allocate {T * topk * 4} bytes" in message, message
         assert dsa.buffer_pool_stats()["free_bytes"] == 0
-    finally:
+    finally:  # a failure here must not leave later tests a 64 MiB pool (test_bench's peak memory read 0)
         gc.enable()
+        dsa.set_buffer_pool_limit(int(os.environ.get("DSA_BUFFER_POOL_MIB", "512")))
     assert dsa.dsa_indexer(q, k, w, topk=2).shape == (4, 2)
-    dsa.set_buffer_pool_limit(int(os.environ.get("DSA_BUFFER_POOL_MIB", "512")))
 
 
 # A real limit: the address space capped at what the process maps plus a
