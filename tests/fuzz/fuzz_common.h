@@ -260,7 +260,11 @@ class Arena {
           __builtin_add_overflow(last, span, &last))
         return -1;
     }
-    if (__builtin_mul_overflow(last + 1, static_cast<std::int64_t>(dsa::dtype_size(v.dtype)), &bytes)) return -1;
+    // (last + 1 itself overflows at INT64_MAX: a [2, 1] view with stride 2^63 - 1,
+    // fuzz_compressor 2026-12-06.)
+    if (last == std::numeric_limits<std::int64_t>::max() ||
+        __builtin_mul_overflow(last + 1, static_cast<std::int64_t>(dsa::dtype_size(v.dtype)), &bytes))
+      return -1;
     return last + 1;
   }
 
