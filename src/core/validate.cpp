@@ -103,6 +103,26 @@ void require_rope_dim_fits(std::int64_t dim, std::int64_t rope_dim) {
     fail_argument("query_rope: D + Dr = ", dim, " + ", rope_dim, " overflows int64");
 }
 
+void require_output(const TensorView& t, const char* name, DType dtype, const TensorView& like,
+                    const char* expected_shape) {
+  require_present(t, name);
+  require_cpu(t, name);
+  require_dtype(t, name, {dtype});
+  bool same = t.ndim == like.ndim;
+  for (int d = 0; same && d < t.ndim; ++d) same = t.shape[d] == like.shape[d];
+  if (!same)
+    fail_argument(name, ": expected shape ", expected_shape, " = ", shape_string(like), ", got ", shape_string(t));
+  if (t.numel() > 0) require_contiguous(t, name);  // empty tensors carry arbitrary strides
+}
+
+TensorView shape_like(std::initializer_list<std::int64_t> shape) {
+  TensorView v;
+  v.ndim = static_cast<int>(shape.size());
+  int d = 0;
+  for (auto s : shape) v.shape[d++] = s;
+  return v;
+}
+
 void require_float_input(const TensorView& t, const char* name, std::initializer_list<int> ndims,
                          const char* expected_shape) {
   require_present(t, name);

@@ -59,6 +59,14 @@ void require_contiguous(const TensorView& t, const char* name);
 // no memory) while the sum overflows int64 (found by fuzz_kl_loss).
 void require_rope_dim_fits(std::int64_t dim, std::int64_t rope_dim);
 
+// A caller-allocated tensor of a known shape (an output, saved statistics, a
+// state): present, CPU, `dtype`, exactly the shape of `like` (named
+// `expected_shape` in the error), contiguous unless empty.
+void require_output(const TensorView& t, const char* name, DType dtype, const TensorView& like,
+                    const char* expected_shape);
+// A shape-only view for require_output's `like`.
+TensorView shape_like(std::initializer_list<std::int64_t> shape);
+
 // A floating tensor (bf16/fp16/fp32) on the CPU with a unit-stride last dim.
 void require_float_input(const TensorView& t, const char* name, std::initializer_list<int> ndims,
                          const char* expected_shape);

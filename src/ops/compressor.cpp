@@ -13,31 +13,6 @@ namespace {
 
 using namespace core;
 
-// Checks a caller-allocated tensor of a known shape (an output, or the saved
-// statistics): CPU, dtype, contiguous, exact shape.
-void require_output(const TensorView& t, const char* name, DType dtype, const TensorView& like,
-                    const char* expected_shape) {
-  require_present(t, name);
-  require_cpu(t, name);
-  require_dtype(t, name, {dtype});
-  if (t.ndim != like.ndim)
-    fail_argument(name, ": expected shape ", expected_shape, " = ", shape_string(like), ", got ",
-                  shape_string(t));
-  for (int d = 0; d < t.ndim; ++d)
-    if (t.shape[d] != like.shape[d])
-      fail_argument(name, ": expected shape ", expected_shape, " = ", shape_string(like), ", got ",
-                    shape_string(t));
-  if (t.numel() > 0) require_contiguous(t, name);  // empty tensors carry arbitrary strides
-}
-
-TensorView shape_like(std::initializer_list<std::int64_t> shape) {
-  TensorView v;
-  v.ndim = static_cast<int>(shape.size());
-  int d = 0;
-  for (auto s : shape) v.shape[d++] = s;
-  return v;
-}
-
 // Validates the inputs shared by forward and backward and fills everything of
 // the problem except the output pointers.
 CompressorProblem make_problem(const TensorView& kv, const TensorView& gate,

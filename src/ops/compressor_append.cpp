@@ -2,7 +2,6 @@
 #include "ops/compressor_append.h"
 
 #include <limits>
-#include <utility>
 #include <vector>
 
 #include "core/paged_cache.h"
@@ -66,29 +65,16 @@ void compressor_append(const TensorView& kv, const TensorView& gate, const Tenso
 
   // The state and the output are contiguous: B, n and C are backed by memory
   // before anything loops over them.
-  for (const auto& [state, name] : {std::pair{&state_kv, "state_kv"}, std::pair{&state_gate, "state_gate"}}) {
-    require_present(*state, name);
-    require_cpu(*state, name);
-    require_dtype(*state, name, {DType::f32});
-    require_ndim(*state, name, {3}, "[B, (overlap ? 2 : 1) * ratio, C]");
-    require_size(*state, name, 0, p.batch, "B of kv");
-    require_size(*state, name, 1, p.ring(), "(overlap ? 2 : 1) * ratio");
-    require_size(*state, name, 2, p.in_channels, "C of kv");
-    require_contiguous(*state, name);
-  }
+  const TensorView state_shape = shape_like({p.batch, p.ring(), p.in_channels});
+  require_output(state_kv, "state_kv", DType::f32, state_shape, "[B, (overlap ? 2 : 1) * ratio, C]");
+  require_output(state_gate, "state_gate", DType::f32, state_shape, "[B, (overlap ? 2 : 1) * ratio, C]");
   p.state_kv = state_kv.ptr<float>();
   p.state_gate = state_gate.ptr<float>();
   if (p.state_kv == p.state_gate && p.batch > 0)
     fail_argument("state_gate: expected a tensor of its own, got the memory of state_kv");
   p.out_rows = p.new_rows / p.ratio + (p.new_rows % p.ratio != 0);
-  require_present(compressed, "compressed");
-  require_cpu(compressed, "compressed");
-  require_dtype(compressed, "compressed", {p.dtype});
-  require_ndim(compressed, "compressed", {3}, "[B, ceil(n / ratio), c]");
-  require_size(compressed, "compressed", 0, p.batch, "B of kv");
-  require_size(compressed, "compressed", 1, p.out_rows, "ceil(n / ratio)");
-  require_size(compressed, "compressed", 2, p.channels, "c");
-  if (compressed.numel() > 0) require_contiguous(compressed, "compressed");
+  require_output(compressed, "compressed", p.dtype, shape_like({p.batch, p.out_rows, p.channels}),
+                 "[B, ceil(n / ratio), c]");
   p.compressed = compressed.data;
 
   // Appended tokens must keep an absolute position an int64 (and a rope position) holds.

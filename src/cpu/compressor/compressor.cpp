@@ -128,10 +128,7 @@ struct ThreadScratch {
     const std::int64_t max_slots = (p.overlap ? 2 : 1) * p.ratio;
     slots.assign(p.num_threads, std::vector<SlotRef>(max_slots));
     floats.reserve(p.num_threads);  // no reallocation: `data` points into each element
-    // The many-slot forward keeps three rows of c floats (each padded to a
-    // 32-channel group) there, backward_from_stats two. (scratch_floats also
-    // covers the portable kernel's one float per slot.)
-    const std::int64_t floats_each = std::max(scratch_floats(max_slots), 3 * ((p.channels + 31) / 32 * 32));
+    const std::int64_t floats_each = forward_scratch_floats(max_slots, p.channels);
     for (int i = 0; i < p.num_threads; ++i) floats.emplace_back(floats_each);
   }
 };

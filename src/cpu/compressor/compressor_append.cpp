@@ -42,7 +42,7 @@ struct ThreadScratch {
   std::vector<float> out;   // [c]: a mixed entry's fp32 result
   ThreadScratch(std::int64_t max_slots, std::int64_t c)
       : slots(max_slots),
-        floats(static_cast<std::size_t>(std::max(scratch_floats(max_slots), 3 * ((c + 31) / 32 * 32)))),
+        floats(static_cast<std::size_t>(forward_scratch_floats(max_slots, c))),
         rows(static_cast<std::size_t>(max_slots * 2 * c)),
         out(static_cast<std::size_t>(c)) {}
 };

@@ -31,6 +31,14 @@ struct AlignedFloats {
 // Floats of scratch a call needs: one weight per slot and channel of a
 // 64-channel strip (the vector kernels' unit; the portable one uses a row).
 inline std::int64_t scratch_floats(std::int64_t slot_count) { return slot_count * 64; }
+// Floats of one thread's forward scratch for entries of `slot_count` slots over
+// `channels` channels: the many-slot forward keeps three rows of c floats (each
+// padded to a 32-channel group), backward_from_stats two, and the portable kernel
+// one float per slot (covered by scratch_floats).
+inline std::int64_t forward_scratch_floats(std::int64_t slot_count, std::int64_t channels) {
+  const std::int64_t rows = 3 * ((channels + 31) / 32 * 32);
+  return scratch_floats(slot_count) > rows ? scratch_floats(slot_count) : rows;
+}
 
 struct SlotRef {
   const void* kv;
