@@ -40,7 +40,8 @@ struct KlLossParams {
 // Shapes (TND | BSND); bf16, fp16 or fp32 unless noted:
 //   query        [T, H, D]              | [B, Sq, H, D]
 //   kv           [S', D] / [S', 1, D]   | [B, Sk', D] / [B, Sk', 1, D], dtype of query
-//   indices      [T, K] / [T, 1, K]     | [B, Sq, K] / [B, Sq, 1, K]    int32
+//   indices      [T, K] / [T, 1, K]     | [B, Sq, K] / [B, Sq, 1, K]    int32,
+//                each in [-1, the sequence's keys) or an invalid_argument error
 //   softmax_max, softmax_sum [T, H]     | [B, Sq, H]                   fp32
 //   index_query  [T, Hi, Di]            | [B, Sq, Hi, Di]
 //   index_key    [S', Di] / [S', 1, Di] | [B, Sk', Di] / ...           dtype of index_query

@@ -11,9 +11,11 @@
 //   compressed part: only with `cmp_kv` (cmp_ratio > 1, DeepSeek-V4):
 //                    `cmp_indices` if present (CSA), else every visible
 //                    compressed entry w < (pos(i) + 1) / cmp_ratio (HCA).
-// Index entries are local to the query's sequence; an entry < 0, >= the
-// sequence's key count or not visible (causality) is skipped; duplicates count
-// as often as they appear.
+// Index entries are local to the query's sequence; -1 and an entry not visible
+// (causality) are skipped; duplicates count as often as they appear. An entry
+// outside [-1, the sequence's key count) (compressed entries for cmp_indices)
+// is an invalid_argument error naming indices / cmp_indices, forward and
+// backward: a global row passed for a position would otherwise go unnoticed.
 //
 // Logits l = scale * q_h . k. softmax_max / softmax_sum exclude the sinks;
 // out = sum_j exp(l_j - max) v_j / (sum + exp(sink_h - max)).

@@ -25,6 +25,32 @@ def check_tensor(value, name: str) -> torch.Tensor:
     return value
 
 
+def check_tensors(required: dict, optional: dict | None = None) -> None:
+    """Every ``required`` value is a tensor, every ``optional`` one is None or a tensor,
+    and all of them are on one device. A meta tensor (a shape without data: a weight
+    not loaded yet, say) beside real ones is named: torch would hand the op's fake
+    kernel the call, whose outputs hold no result. All-meta calls stay allowed (shape
+    propagation runs the fake kernels)."""
+    named = []
+    for name, value in required.items():
+        named.append((name, check_tensor(value, name)))
+    for name, value in (optional or {}).items():
+        if value is not None:
+            named.append((name, check_tensor(value, name)))
+    if not named:
+        return
+    real = [(n, t) for n, t in named if t.device.type != "meta"]
+    if real and len(real) < len(named):
+        meta = next(n for n, t in named if t.device.type == "meta")
+        raise ValueError(f"{meta}: a meta tensor (a shape without data, e.g. a weight not loaded yet) beside "
+                         f"{real[0][0]} on {real[0][1].device}; materialise it first (module.to_empty(device=...) "
+                         "and load_state_dict, or from_pretrained without an empty-weights context)")
+    for name, t in real[1:]:
+        if t.device != real[0][1].device:
+            raise ValueError(f"{name}: on {t.device}, but {real[0][0]} is on {real[0][1].device}; "
+                             "every tensor of one call goes on one device")
+
+
 def check_int(value, name: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: expected an integer, got {value!r}")

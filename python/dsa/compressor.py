@@ -7,7 +7,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C, _buffers
-from ._common import check_backend, check_int, check_layout, check_tensor, num_threads, plain_eager
+from ._common import check_backend, check_int, check_layout, check_tensors, num_threads, plain_eager
 from .lengths import (Lengths, as_length_tensor, ends_from_lengths, lengths_from_cu_seqlens,
                       to_cu_seqlens)
 
@@ -175,9 +175,7 @@ def dsa_compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Te
     when ``query_lengths`` is a tensor, else as a list of ints.
     Differentiable in ``kv``, ``gate`` and ``position_bias``.
     """
-    check_tensor(kv, "kv")
-    check_tensor(gate, "gate")
-    check_tensor(position_bias, "position_bias")
+    check_tensors(dict(kv=kv, gate=gate, position_bias=position_bias))
     check_int(ratio, "ratio", 1)
     if overlap is None:
         overlap = ratio == 4

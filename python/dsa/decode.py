@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import _C
-from ._common import check_backend, check_int, check_tensor, num_threads, plain_eager
+from ._common import check_backend, check_int, check_tensors, num_threads, plain_eager
 from .paged_cache import check_cache_dtype
 
 
@@ -42,9 +42,8 @@ def dsa_indexer_decode(index_query: torch.Tensor, weights: torch.Tensor, key_cac
     ``cache_dtype`` "bf16", "fp8" or "fp32"), as ``dsa_indexer`` selects on the
     gathered keys. ``cmp_ratio > 1``: the cache holds compressed keys (one per
     ``cmp_ratio`` tokens, V4's CSA), and a row sees those completed before it."""
-    for value, name in ((index_query, "index_query"), (weights, "weights"), (key_cache, "key_cache"),
-                        (block_table, "block_table"), (context_lens, "context_lens")):
-        check_tensor(value, name)
+    check_tensors(dict(index_query=index_query, weights=weights, key_cache=key_cache, block_table=block_table,
+                       context_lens=context_lens))
     check_cache_dtype(cache_dtype)
     check_backend(backend)
     return _indexer_decode_op(index_query, weights, key_cache, block_table, context_lens,
@@ -93,13 +92,9 @@ def dsa_sparse_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, blo
     of compressed entries (``cmp_indices`` positions in it, or every visible one)
     and per-head ``sinks``. Returns ``out [B, next_n, H, d_v]`` (query's dtype)
     and ``lse [B, next_n, H]`` (fp32, without the sink; -inf for no keys)."""
-    for value, name in ((query, "query"), (kv_cache, "kv_cache"), (block_table, "block_table"),
-                        (context_lens, "context_lens")):
-        check_tensor(value, name)
-    for value, name in ((indices, "indices"), (topk_lens, "topk_lens"), (cmp_cache, "cmp_cache"),
-                        (cmp_block_table, "cmp_block_table"), (cmp_indices, "cmp_indices"), (sinks, "sinks")):
-        if value is not None:
-            check_tensor(value, name)
+    check_tensors(dict(query=query, kv_cache=kv_cache, block_table=block_table, context_lens=context_lens),
+                  dict(indices=indices, topk_lens=topk_lens, cmp_cache=cmp_cache, cmp_block_table=cmp_block_table,
+                       cmp_indices=cmp_indices, sinks=sinks))
     if query.dim() != 4:
         raise ValueError(f"query: expected [B, next_n, H, D], got shape {tuple(query.shape)}")
     check_cache_dtype(cache_dtype)
@@ -159,11 +154,8 @@ def dsa_compressor_append(kv: torch.Tensor, gate: torch.Tensor, position_bias: t
     place; the caller advances ``lengths``. Equal to ``dsa_compressor`` on the whole
     sequence (bit for bit in fp32). ``overlap``: None means ``ratio == 4`` (CSA).
     No gradient: a decode op."""
-    for value, name in ((kv, "kv"), (gate, "gate"), (position_bias, "position_bias"), (state_kv, "state_kv"),
-                        (state_gate, "state_gate"), (lengths, "lengths")):
-        check_tensor(value, name)
-    if new_lens is not None:
-        check_tensor(new_lens, "new_lens")
+    check_tensors(dict(kv=kv, gate=gate, position_bias=position_bias, state_kv=state_kv, state_gate=state_gate,
+                       lengths=lengths), dict(new_lens=new_lens))
     ratio = check_int(ratio, "ratio", 1)
     if kv.dim() != 3:
         raise ValueError(f"kv: expected [B, n, C], got shape {tuple(kv.shape)}")

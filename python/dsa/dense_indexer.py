@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import _C, _buffers
-from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
+from ._common import check_backend, check_int, check_layout, check_tensors, num_threads
 from .kl_loss import check_reduction, squeeze_head
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 
@@ -36,8 +36,7 @@ def dsa_dense_indexer_lse(index_query: torch.Tensor, index_key: torch.Tensor, he
     Not differentiable: it normalises the student of ``dsa_dense_indexer_kl_loss``,
     whose gradient already accounts for it.
     """
-    for t, n in ((index_query, "index_query"), (index_key, "index_key"), (head_weights, "head_weights")):
-        check_tensor(t, n)
+    check_tensors(dict(index_query=index_query, index_key=index_key, head_weights=head_weights))
     check_int(cmp_ratio, "cmp_ratio", 1)
     check_layout(layout)
     check_backend(backend)
@@ -127,10 +126,8 @@ def dsa_dense_indexer_kl_loss(index_query: torch.Tensor, index_key: torch.Tensor
     ``dsa_dense_indexer_lse``. Returns an fp32 scalar; gradients reach
     ``index_query``, ``index_key`` and ``head_weights`` only.
     """
-    for t, n in ((index_query, "index_query"), (index_key, "index_key"), (head_weights, "head_weights"),
-                 (query, "query"), (key, "key"), (softmax_max, "softmax_max"), (softmax_sum, "softmax_sum"),
-                 (indexer_lse, "indexer_lse")):
-        check_tensor(t, n)
+    check_tensors(dict(index_query=index_query, index_key=index_key, head_weights=head_weights, query=query,
+                       key=key, softmax_max=softmax_max, softmax_sum=softmax_sum, indexer_lse=indexer_lse))
     check_layout(layout)
     check_backend(backend)
     check_reduction(reduction)

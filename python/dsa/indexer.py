@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from . import _C, _buffers
-from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
+from ._common import check_backend, check_int, check_layout, check_tensors, num_threads
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 
 
@@ -48,9 +48,7 @@ def dsa_indexer(index_query: torch.Tensor, index_key: torch.Tensor, weights: tor
     the query's sequence, ascending, ``-1`` padded) and, with ``return_scores``,
     fp32 ``scores`` aligned with them (``-inf`` at padding). Not differentiable.
     """
-    check_tensor(index_query, "index_query")
-    check_tensor(index_key, "index_key")
-    check_tensor(weights, "weights")
+    check_tensors(dict(index_query=index_query, index_key=index_key, weights=weights))
     check_int(topk, "topk", 1)
     if topk > 2 ** 31 - 1:  # before the output [T, topk] is allocated
         raise ValueError(f"topk: expected at most 2^31 - 1 (positions are int32), got {topk}")

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from . import _C, _buffers
-from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
+from ._common import check_backend, check_int, check_layout, check_tensors, num_threads
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 
 REDUCTIONS = ("mean", "sum")
@@ -109,10 +109,8 @@ def dsa_kl_loss(query: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, so
     the number of rows with a valid entry for ``reduction="mean"``. Gradients reach
     ``index_query``, ``index_key`` and ``weights`` only; the teacher is detached.
     """
-    for t, n in ((query, "query"), (kv, "kv"), (indices, "indices"), (softmax_max, "softmax_max"),
-                 (softmax_sum, "softmax_sum"), (index_query, "index_query"), (index_key, "index_key"),
-                 (weights, "weights")):
-        check_tensor(t, n)
+    check_tensors(dict(query=query, kv=kv, indices=indices, softmax_max=softmax_max, softmax_sum=softmax_sum,
+                       index_query=index_query, index_key=index_key, weights=weights))
     check_int(cmp_ratio, "cmp_ratio", 1)
     check_layout(layout)
     check_backend(backend)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._common import check_backend, check_int, check_tensor, num_threads
+from ._common import check_backend, check_int, check_tensors, num_threads
 
 CACHE_DTYPES = ("fp32", "bf16", "fp8")
 DEFAULT_BLOCK_SIZE = 64
@@ -71,9 +71,7 @@ def dsa_cache_write(cache: torch.Tensor, block_table: torch.Tensor, positions: t
     each request, ``-1`` skips a row) through ``block_table [B, width]`` (int32
     block ids, ``-1`` for none), quantising where the cache is FP8. ``ring``: the
     table's columns are reused cyclically (V4's window cache). In place."""
-    for value, name in ((cache, "cache"), (block_table, "block_table"), (positions, "positions"),
-                        (values, "values")):
-        check_tensor(value, name)
+    check_tensors(dict(cache=cache, block_table=block_table, positions=positions, values=values))
     check_cache_dtype(dtype)
     check_backend(backend)
     _cache_write_op(cache, block_table, positions, values.detach(), check_int(rope_dim, "rope_dim", 0), dtype,
@@ -86,8 +84,7 @@ def dsa_cache_gather(cache: torch.Tensor, block_table: torch.Tensor, positions: 
     """The tokens at ``positions [B, n]``, dequantised: ``[B, n, dim]`` in
     ``out_dtype`` (float32 or bfloat16; exact for either cache dtype's values
     in float32), zeros where a position is ``-1``."""
-    for value, name in ((cache, "cache"), (block_table, "block_table"), (positions, "positions")):
-        check_tensor(value, name)
+    check_tensors(dict(cache=cache, block_table=block_table, positions=positions))
     check_cache_dtype(dtype)
     check_backend(backend)
     if out_dtype not in (torch.float32, torch.bfloat16):

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from . import _C, _buffers
-from ._common import check_backend, check_int, check_layout, check_tensor, num_threads
+from ._common import check_backend, check_int, check_layout, check_tensors, num_threads
 from .lengths import Lengths, as_length_tensor, to_cu_seqlens
 
 
@@ -147,12 +147,9 @@ def dsa_sparse_attention(query: torch.Tensor, kv: torch.Tensor,
     statistics exclude ``sinks`` and are not differentiable. Differentiable in ``query``,
     ``kv``, ``query_rope``, ``key_rope``, ``cmp_kv`` and ``sinks``.
     """
-    check_tensor(query, "query")
-    check_tensor(kv, "kv")
-    for name, t in (("indices", indices), ("cmp_kv", cmp_kv), ("cmp_indices", cmp_indices),
-                    ("sinks", sinks), ("query_rope", query_rope), ("key_rope", key_rope)):
-        if t is not None:
-            check_tensor(t, name)
+    check_tensors(dict(query=query, kv=kv),
+                  dict(indices=indices, cmp_kv=cmp_kv, cmp_indices=cmp_indices, sinks=sinks,
+                       query_rope=query_rope, key_rope=key_rope))
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale: expected a finite number, got {scale!r}")
     if d_v is not None:

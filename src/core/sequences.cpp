@@ -119,4 +119,30 @@ std::vector<std::int64_t> padding_rows(const SequencePlan& plan) {
   return rows;
 }
 
+void require_indices_in_sequences(const SequencePlan& plan, const std::int32_t* idx,
+                                  std::int64_t row_stride, std::int64_t topk, IndexSpace space,
+                                  const char* name) {
+  for (std::size_t n = 0; n < plan.seqs.size(); ++n) {
+    const SequenceSlice& s = plan.seqs[n];
+    const std::int64_t held = space == IndexSpace::raw ? s.k_len : s.c_len;
+    for (std::int64_t i = 0; i < s.q_len; ++i) {
+      const std::int32_t* row = idx + (s.q_begin + i) * row_stride;
+      // One compare per entry on the common path: unsigned (v + 1) <= held
+      // holds exactly for -1 <= v < held.
+      bool ok = true;
+      for (std::int64_t k = 0; k < topk; ++k)
+        ok &= static_cast<std::uint64_t>(static_cast<std::int64_t>(row[k]) + 1) <=
+              static_cast<std::uint64_t>(held);
+      if (ok) continue;
+      for (std::int64_t k = 0; k < topk; ++k)
+        if (row[k] < -1 || row[k] >= held)
+          fail_argument(name, ": row ", s.q_begin + i, " (query ", i, " of sequence ", n, ") entry ", k,
+                        " is ", row[k], ", outside the sequence's ", held,
+                        space == IndexSpace::raw ? " keys" : " compressed entries",
+                        "; expected a position in [0, ", held, ") or -1 (positions are inside the "
+                        "query's own sequence, not global rows)");
+    }
+  }
+}
+
 }  // namespace dsa::core

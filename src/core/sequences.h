@@ -43,4 +43,17 @@ SequencePlan plan_sequences(const LengthSpec& spec);
 // (BSND padding), so kernels can write the empty-row values there.
 std::vector<std::int64_t> padding_rows(const SequencePlan& plan);
 
+// Which keys an index list addresses: raw positions (< k_len) or compressed
+// entries (< c_len, DeepSeek-V4's cmp_indices).
+enum class IndexSpace { raw, compressed };
+
+// Throws dsa::Error (invalid_argument) naming `name` when an index of a
+// sequence's row lies outside [-1, its key count): a position the sequence
+// does not hold is a caller's mistake (a global slot passed for a position,
+// say), which the kernels would otherwise skip without a word. Rows of no
+// sequence (BSND padding) are not read. Row r's list is idx + r * row_stride.
+void require_indices_in_sequences(const SequencePlan& plan, const std::int32_t* idx,
+                                  std::int64_t row_stride, std::int64_t topk, IndexSpace space,
+                                  const char* name);
+
 }  // namespace dsa::core

@@ -119,6 +119,9 @@ void set_indexer_side(SparseKlIndexerSide& p, const TensorView& indices, const T
   p.indices = indices.ptr<std::int32_t>();
   p.index_row_stride = indices.stride(lead);
   p.topk = indices.size(-1);
+  // With a ratio > 1 the indexer's keys, and so the indices, are compressed entries.
+  require_indices_in_sequences(p.plan, p.indices, p.index_row_stride, p.topk,
+                               params.cmp_ratio > 1 ? IndexSpace::compressed : IndexSpace::raw, "indices");
   p.index_query = detail::head_matrix(index_query, lead, "index_query");
   p.index_key = detail::head_matrix(index_key, lead, "index_key");
   p.weights = detail::head_matrix(weights, lead, "weights");

@@ -165,6 +165,11 @@ SparseAttentionProblem set_up(const SparseAttentionInputs& in, const SparseAtten
   std::int64_t longest = 1;
   for (const auto& seq : p.plan.seqs) longest = std::max(longest, seq.k_len);
   p.window = std::min(p.window, longest);
+  if (p.indices)
+    require_indices_in_sequences(p.plan, p.indices, p.idx_row_stride, p.topk, IndexSpace::raw, "indices");
+  if (p.cmp_indices)
+    require_indices_in_sequences(p.plan, p.cmp_indices, p.cidx_row_stride, p.cmp_topk,
+                                 IndexSpace::compressed, "cmp_indices");
   p.num_threads = resolve_num_threads(params.num_threads);
   return p;
 }

@@ -59,7 +59,7 @@ Buffer zeros(std::vector<std::int64_t> shape, DType dtype) {
 }
 
 // A small sparse problem: two sequences (one with prefix KV), random indices
-// including invalid, invisible and duplicate entries; attention stats from an
+// including -1, invisible and duplicate entries; attention stats from an
 // exact softmax over the selection (so the teacher is a proper distribution).
 struct SparseCase {
   DType dtype;
@@ -95,6 +95,13 @@ struct SparseCase {
     std::uniform_int_distribution<int> pick(-2, ratio > 1 ? 3 : (wide ? 50 : 12));
     idx.resize(T * K);
     for (auto& v : idx) v = pick(rng);
+    // Into [-1, the sequence's key count): the ops refuse positions a sequence
+    // does not hold; invisible (non-causal) entries and -1 stay.
+    for (std::int64_t b = 0; b < 2; ++b) {
+      const std::int64_t held = (cu_k[b + 1] - cu_k[b]) / ratio;
+      for (std::int64_t r = cu_q[b] * K; r < cu_q[b + 1] * K; ++r)
+        idx[r] = static_cast<std::int32_t>((idx[r] + 2) % (held + 1)) - 1;
+    }
     idx[3] = idx[4];  // a duplicate
     for (std::int64_t k = 0; k < K; ++k) idx[2 * K + k] = -1;  // an empty row
     sinks.assign(H, 1.0f);
@@ -491,6 +498,38 @@ TEST(KlLoss, NanInAnIndexerInputReachesTheLoss) {
       }
 }
 
+// An index outside its sequence's keys (here a packed row of the other
+// sequence, and a compressed entry past the held ones) is refused by the
+// forward and the backward on both backends, naming indices.
+TEST(KlLoss, IndicesOutsideTheirSequenceAreRefused) {
+  for (std::int64_t ratio : {1, 4})
+    for (Backend backend : {Backend::cpu, Backend::reference})
+      for (bool in_bwd : {false, true}) {
+        SparseCase c(DType::f32, 5, ratio);
+        const std::int64_t held = (c.cu_k[2] - c.cu_k[1]) / ratio;  // sequence 1's keys
+        const std::int32_t bad = static_cast<std::int32_t>(held);
+        std::int32_t& slot = c.idx[c.cu_q[1] * c.K + 2];
+        if (!in_bwd) slot = bad;
+        try {
+          SparseResult r{0, std::vector<float>(c.T * c.K), zeros(c.iq.shape, c.dtype), zeros(c.ik.shape, c.dtype),
+                         zeros(c.w.shape, c.dtype)};
+          TensorView idx = make_view(c.idx.data(), DType::i32, {c.T, c.K});
+          const KlLossParams p = c.params(2);
+          kl_loss_fwd(c.q.view(), c.kv.view(), idx, c.mx.view(), c.sm.view(), c.iq.view(), c.ik.view(), c.w.view(),
+                      TensorView{}, TensorView{}, TensorView{}, p, make_view(&r.loss, DType::f32, {1}),
+                      make_view(r.score_grad.data(), DType::f32, {c.T, c.K}), backend);
+          slot = bad;
+          kl_loss_bwd(idx, c.iq.view(), c.ik.view(), c.w.view(), make_view(r.score_grad.data(), DType::f32, {c.T, c.K}),
+                      0.8f, p, r.dq.view(), r.dk.view(), r.dw.view(), backend);
+          ADD_FAILURE() << "no error, ratio " << ratio << (in_bwd ? " (backward)" : " (forward)");
+        } catch (const Error& e) {
+          EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+          EXPECT_EQ(std::string(e.what()).rfind("indices:", 0), 0u) << e.what();
+          EXPECT_NE(std::string(e.what()).find("is " + std::to_string(bad) + ", outside"), std::string::npos) << e.what();
+        }
+      }
+}
+
 TEST(KlLoss, BadInputsRejectedWithoutWriting) {
   SparseCase c(DType::f32, 3);
   float loss = 123.0f;
@@ -624,7 +663,7 @@ TEST(KlLoss, SparseBackwardWithoutQueryRowsAndHugeIndexHeads) {
 TEST(KlLoss, SparseForwardWithoutKeyRowsAndHugeKeyDim) {
   const std::int64_t huge = std::int64_t{1} << 40, T = 2, K = 4, Hi = 1, Di = 3;
   float f = 0;
-  std::vector<std::int32_t> idx(T * K, 0);
+  std::vector<std::int32_t> idx(T * K, -1);  // nothing to point at: no key rows
   std::vector<float> iq(T * Hi * Di, 0.5f), w(T * Hi, 1.0f);
   TensorView query = make_view(&f, DType::f32, {T, 0, 1}), kv = make_view(&f, DType::f32, {0, 1});
   query.shape[2] = huge;

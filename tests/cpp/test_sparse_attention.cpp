@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -91,6 +92,24 @@ struct Problem {
   }
 };
 
+// Maps every index of a sequence's rows into [-1, its key count) (compressed
+// entries when ratio > 1): the ops refuse positions the sequence does not hold.
+// Entries past a row's causal position stay, as do -1 and duplicates, which the
+// ops skip or count. BSND padding rows keep whatever they hold (never read).
+void fold_into_sequences(Buffer& idx, const Config& c, std::int64_t topk, std::int64_t ratio) {
+  auto* v = reinterpret_cast<std::int32_t*>(idx.bytes.data());
+  std::int64_t row0 = 0;
+  for (std::size_t b = 0; b < c.q_lens.size(); ++b) {
+    const std::int64_t held = c.k_lens[b] / ratio;
+    for (std::int64_t i = 0; i < c.q_lens[b]; ++i)
+      for (std::int64_t k = 0; k < topk; ++k) {
+        std::int32_t& x = v[(row0 + i) * topk + k];
+        x = static_cast<std::int32_t>((x + 1) % (held + 1)) - 1;
+      }
+    row0 += c.layout == Layout::TND ? c.q_lens[b] : c.sq;
+  }
+}
+
 Problem build(const Config& c, unsigned seed) {
   std::mt19937 gen(seed);
   Problem p;
@@ -113,10 +132,16 @@ Problem build(const Config& c, unsigned seed) {
   const float qscale = 1.0f;
   p.query = random_float(c.dtype, with(qlead, {c.heads, c.dim}), gen, qscale);
   p.kv = random_float(c.dtype, with(klead, {c.dim}), gen);
-  if (c.topk) p.indices = random_indices(with(qlead, {c.topk}), -2, max_k + 1, gen);
+  if (c.topk) {
+    p.indices = random_indices(with(qlead, {c.topk}), -1, max_k - 1, gen);
+    fold_into_sequences(p.indices, c, c.topk, 1);
+  }
   if (c.ratio > 1) {
     p.cmp_kv = random_float(c.dtype, with(clead, {c.dim}), gen);
-    if (c.cmp_topk) p.cmp_indices = random_indices(with(qlead, {c.cmp_topk}), -1, max_k / c.ratio + 1, gen);
+    if (c.cmp_topk) {
+      p.cmp_indices = random_indices(with(qlead, {c.cmp_topk}), -1, max_k / c.ratio, gen);
+      fold_into_sequences(p.cmp_indices, c, c.cmp_topk, c.ratio);
+    }
   }
   if (c.sinks) {
     p.sinks = random_float(DType::f32, {c.heads}, gen);
@@ -156,7 +181,9 @@ struct Results {
   Buffer out, max, sum, dq, dkv, dqr, dkr, dcmp, dsinks;
 };
 
-Results run(Problem& p, Backend backend, int threads) {
+// before_bwd, if given, runs between the forward and the backward (to hand the
+// backward inputs the forward did not see).
+Results run(Problem& p, Backend backend, int threads, const std::function<void()>& before_bwd = {}) {
   p.params.num_threads = threads;
   Results r;
   SparseAttentionInputs in = p.inputs();
@@ -186,6 +213,7 @@ Results run(Problem& p, Backend backend, int threads) {
     r.dsinks = make(DType::f32, {p.c.heads});
     g.d_sinks = r.dsinks.view();
   }
+  if (before_bwd) before_bwd();
   sparse_attention_bwd(in, p.params, p.grad_out.view(), r.out.view(), r.max.view(), r.sum.view(), g, backend);
   return r;
 }
@@ -654,6 +682,68 @@ TEST(SparseAttention, HugeWindowIsDenseCausal) {
   }
   EXPECT_EQ(dkv[0], dkv[1]);
   EXPECT_NE(dkv[0][(S - 1) * D], 0.0f);  // the last key is attended: its gradient is not 0
+}
+
+// A position outside the query's own sequence (at or past its key count, or
+// below -1) is a caller's mistake, e.g. a global row passed for a position;
+// both backends refuse it, forward and backward, naming the argument, instead of
+// skipping it. BSND padding rows are never read, so they are not checked.
+TEST(SparseAttention, IndicesOutsideTheirSequenceAreRefused) {
+  // Sets *slot = bad before the forward, then (slot restored) between the
+  // forward and the backward: each must refuse it on both backends.
+  auto expect_refused = [](Problem& p, std::int32_t* slot, std::int32_t bad, const char* name,
+                           const char* what) {
+    const std::int32_t good = *slot;
+    for (Backend backend : {Backend::cpu, Backend::reference})
+      for (bool in_bwd : {false, true}) {
+        *slot = in_bwd ? good : bad;
+        try {
+          run(p, backend, 2, [&] { *slot = bad; });
+          ADD_FAILURE() << "no error for " << what << (in_bwd ? " (backward)" : " (forward)");
+        } catch (const Error& e) {
+          EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
+          EXPECT_EQ(std::string(e.what()).rfind(std::string(name) + ":", 0), 0u) << e.what();
+          EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+        }
+      }
+    *slot = good;
+  };
+  Config c = tnd({3, 4}, {5, 6});
+  c.heads = 2;
+  c.dim = 8;
+  c.topk = 3;
+  {
+    Problem p = build(c, 21);
+    std::int32_t* slot = reinterpret_cast<std::int32_t*>(p.indices.bytes.data()) + 4 * 3 + 1;
+    // A valid row of the packed kv, but sequence 1 holds 6 keys.
+    expect_refused(p, slot, 7, "indices", "is 7, outside the sequence's 6 keys");
+    expect_refused(p, slot, -2, "indices", "is -2");
+    *slot = 5;  // in range, past the row's position: skipped, not refused
+    EXPECT_NO_THROW(run(p, Backend::cpu, 2));
+  }
+  c.ratio = 2;
+  c.cmp_topk = 2;
+  {
+    Problem p = build(c, 22);
+    // Sequence 0 has 5 // 2 = 2 compressed entries.
+    expect_refused(p, reinterpret_cast<std::int32_t*>(p.cmp_indices.bytes.data()), 2, "cmp_indices",
+                   "is 2, outside the sequence's 2 compressed entries");
+  }
+  Config b;
+  b.layout = Layout::BSND;
+  b.batch = 2;
+  b.sq = 4;
+  b.sk = 6;
+  b.q_lens = {4, 2};
+  b.k_lens = {6, 3};
+  b.heads = 2;
+  b.dim = 8;
+  b.topk = 3;
+  Problem p = build(b, 23);
+  auto* idx = reinterpret_cast<std::int32_t*>(p.indices.bytes.data());
+  idx[(4 + 3) * 3] = 1000;  // batch row 1, query 3: padding (its sequence has 2 queries)
+  EXPECT_NO_THROW(run(p, Backend::cpu, 2));
+  expect_refused(p, idx + (4 + 1) * 3, 3, "indices", "is 3, outside the sequence's 3 keys");
 }
 
 TEST(SparseAttention, BadInputsThrowAndWriteNothing) {

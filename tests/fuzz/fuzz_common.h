@@ -246,6 +246,9 @@ class Arena {
 
   Input& input() { return in_; }
 
+  // Elements a view addresses (see elements below), for helpers outside.
+  static std::int64_t addressed(const TensorView& v) { return elements(v); }
+
  private:
   // Elements between the view's first and last addressed element, inclusive;
   // -1 when that, or its size in bytes, overflows int64 (the library must
@@ -332,6 +335,8 @@ struct Sequences {
   std::int64_t k_rows = 0;  // raw keys: TND: S; BSND: Sk
   std::int64_t c_rows = 0;  // compressed entries at `ratio`: TND: S'; BSND: Sk'
   dsa::CuSeqlens cu_q, cu_k;
+  std::vector<std::int64_t> lq, lk;  // the lengths drawn, before any corruption
+  std::int64_t ratio = 1;
   double pairs = 0;  // sum of Lq * Lk: the work of a dense call
 
   // The leading dims of a token-major tensor with `rows` rows: [rows] or [B, rows].
@@ -343,6 +348,35 @@ struct Sequences {
     return shape;
   }
 };
+
+// Folds each drawn sequence's query rows of an index tensor [rows, K] or
+// [B, rows, K] into [-1, its keys) (compressed entries when `compressed`): the
+// ops refuse a position outside the query's sequence, so inputs that are to
+// reach the kernels need this. Other rows keep what fill_indices wrote.
+inline void fold_indices(const dsa::TensorView& v, const Sequences& seq, bool compressed) {
+  if (Arena::addressed(v) <= 0 || v.dtype != DType::i32 || v.ndim < 2) return;
+  auto* p = static_cast<std::int32_t*>(v.data);
+  const int lead = seq.tnd ? 0 : 1;
+  if (v.ndim < lead + 2) return;
+  const std::int64_t rows = v.shape[lead], topk = v.shape[v.ndim - 1], ks = v.strides[v.ndim - 1];
+  std::int64_t first = 0;
+  for (std::size_t b = 0; b < seq.lq.size(); ++b) {
+    const std::int64_t held = compressed ? seq.lk[b] / seq.ratio : seq.lk[b];
+    const std::int64_t base = seq.tnd ? 0 : static_cast<std::int64_t>(b);
+    if (!seq.tnd && base >= v.shape[0]) break;
+    for (std::int64_t i = 0; i < seq.lq[b]; ++i) {
+      const std::int64_t row = seq.tnd ? first + i : i;
+      if (row >= rows) break;
+      std::int32_t* r = p + row * v.strides[lead] + (seq.tnd ? 0 : base * v.strides[0]);
+      for (std::int64_t k = 0; k < topk; ++k) {
+        std::int32_t& x = r[k * ks];
+        x = static_cast<std::int32_t>(((static_cast<std::int64_t>(x) + 1) % (held + 1) + held + 1) % (held + 1) - 1);
+      }
+    }
+    first += seq.lq[b];
+  }
+}
+
 
 // A broken length array: cleared (the op's default), an entry dropped or
 // added, or one entry replaced (non-monotone, negative, past the tensor, extreme).
@@ -396,6 +430,9 @@ inline Sequences sequences(Input& in, std::int64_t ratio, std::int64_t max_q, st
   if (in.rare(16)) s.q_rows += in.range(-1, 1);  // a tensor that disagrees with its lengths
   if (in.rare(16)) s.k_rows += in.range(-1, 1);
   if (in.rare(16)) s.c_rows += in.range(-1, 1);
+  s.lq = lq;
+  s.lk = lk;
+  s.ratio = ratio;
   if (!in.rare(6)) {  // else: both empty, the op's defaults
     s.cu_q = cumulative(lq);
     s.cu_k = cumulative(lk);

@@ -55,7 +55,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   a.fill(sinks, FloatFill{4.0f, in.rare(3)});
   a.fill(softmax_max, FloatFill{4.0f, in.rare(3)});
   a.fill(softmax_sum, FloatFill{8.0f, in.rare(3), true});
-  a.fill_indices(indices, key_rows, in.rare(4));
+  const bool wild = in.rare(4);
+  a.fill_indices(indices, key_rows, wild);
+  // Unless wild, inside each sequence (else both backends must refuse them).
+  if (!wild) fold_indices(indices, seq, params.cmp_ratio > 1);
 
   const std::vector<dsa::Backend> backends_used = backends(in);
   bool forward_ok = false;

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dsa
+from _indices import fold_into_sequences
 from dsa.naive import (naive_attention_stats, naive_dense_indexer_kl_loss, naive_dense_indexer_lse,
                        naive_kl_loss)
 
@@ -70,6 +71,9 @@ def sparse_inputs(layout="TND", ratio=1, seed=0, rope=False, T=None):
     w = torch.rand(*qs, Hi, generator=g) * 1.5 - 0.5
     hi = max(2, (45 if layout == "TND" else 14) // ratio)
     idx = torch.randint(-2, hi, (*qs, K), generator=g, dtype=torch.int32)
+    per_q = [b - a for a, b in zip([0] + ql[:-1], ql)] if layout == "TND" else ql
+    per_k = [b - a for a, b in zip([0] + kl[:-1], kl)] if layout == "TND" else kl
+    fold_into_sequences(idx, per_q, [n // ratio for n in per_k], layout)
     flat = idx.reshape(-1, K)
     flat[0, :] = -1           # an empty row
     flat[2, :] = -1
@@ -117,6 +121,18 @@ def test_sparse_matches_oracle(backend, dtype, layout, ratio, rope):
         assert fused[i].dtype == (torch.float32 if i == 0 else dtype)
         check(name, fused[i], None if naive is None else naive[i], oracle[i])
 
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("ratio", [1, 4])
+def test_sparse_indices_outside_their_sequence_are_refused(backend, ratio):
+    """An index past its sequence's keys (here the first key of the next sequence in the
+    packed tensor) is a ValueError naming indices, not a skipped entry."""
+    x = sparse_inputs(seed=4, ratio=ratio)
+    kl = x["kl"]
+    held = (kl[4] - kl[3]) // ratio  # sequence 4's keys (compressed entries at ratio > 1)
+    x["idx"][x["ql"][3], 1] = held
+    with pytest.raises(ValueError, match=rf"^indices: row {x['ql'][3]} .*is {held}, outside"):
+        run_sparse(x, dsa.dsa_kl_loss, torch.float32, backend=backend, cmp_ratio=ratio)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sparse_reduction_coefficient_and_edges(backend):

@@ -39,13 +39,13 @@ def problem():
     kv[S - TAIL:] = torch.randn(TAIL, D, generator=g).bfloat16()
     query = torch.randn(T, H, D, generator=g).bfloat16()
     # Query i sits at position S - T + i; the tail starts at row S - TAIL. Mixed in:
-    # a duplicate, -1, an entry beyond the query's position and one past the end.
+    # a duplicate, -1 and two entries beyond the query's position.
     base = S - TAIL
     full_idx = torch.randint(base, S - T + 1, (T, TOPK), generator=g, dtype=torch.int32)
     full_idx[:, 0] = full_idx[:, 1]
     full_idx[:, 2] = -1
     full_idx[1, 3] = S - T + 2
-    full_idx[2, 4] = S + 5
+    full_idx[2, 4] = S - 1  # in range, after the row: skipped (past S would be refused)
     tail_idx = torch.where(full_idx >= 0, full_idx - base, full_idx)
     return dict(kv=kv, query=query, full_idx=full_idx, tail_idx=tail_idx)
 

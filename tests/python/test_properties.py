@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import dsa
+from _indices import fold_into_sequences
 from dsa import _C
 from dsa.lengths import cu_seqlens_from_ends, lengths_from_ends
 
@@ -153,7 +154,8 @@ def sparse_kl_inputs(draw):
                 kr=torch.randn(*ks, 8, generator=g) if rope else None,
                 iq=torch.randn(*qs, Hi, Di, generator=g), ik=torch.randn(*ks, Di, generator=g),
                 w=torch.rand(*qs, Hi, generator=g) * 1.5 - 0.5,
-                idx=torch.randint(-2, hi, (*qs, K), generator=g, dtype=torch.int32),
+                idx=fold_into_sequences(torch.randint(-2, hi, (*qs, K), generator=g, dtype=torch.int32),
+                                        q_lens, rows, layout),
                 sinks=torch.randn(H, generator=g) * 2, ql=ql, kl=kl), layout, ratio
 
 

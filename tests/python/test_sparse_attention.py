@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dsa
+from _indices import fold_into_sequences
 from dsa.naive import naive_sparse_attention, oracle_sparse_attention
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -33,7 +34,8 @@ def make_case(mode, dtype, layout="TND", seed=0, heads=3, dim=40, d_v=None, rope
     kw = dict(scale=1.0 / math.sqrt(dim + rope), layout=layout)
     inputs = dict(query=rnd(*qlead, heads, dim), kv=rnd(*klead, dim))
     if mode == "indices":
-        kw["indices"] = torch.randint(-2, sk + 2, (*qlead, topk), generator=g, dtype=torch.int32)
+        kw["indices"] = fold_into_sequences(
+            torch.randint(-2, sk + 2, (*qlead, topk), generator=g, dtype=torch.int32), q_lens, k_lens, layout)
     if window is not None:
         kw["window"] = window
     if d_v is not None:
@@ -45,8 +47,9 @@ def make_case(mode, dtype, layout="TND", seed=0, heads=3, dim=40, d_v=None, rope
         inputs["cmp_kv"] = rnd(*clead, dim)
         kw["cmp_ratio"] = ratio
         if cmp_topk:
-            kw["cmp_indices"] = torch.randint(-1, sk // ratio + 2, (*qlead, cmp_topk), generator=g,
-                                              dtype=torch.int32)
+            kw["cmp_indices"] = fold_into_sequences(
+                torch.randint(-1, sk // ratio + 2, (*qlead, cmp_topk), generator=g, dtype=torch.int32),
+                q_lens, [k // ratio for k in k_lens], layout)
     if sinks is not None:
         inputs["sinks"] = (torch.randn(heads, generator=g) if sinks == "random"
                            else torch.full((heads,), float(sinks)))
@@ -177,9 +180,9 @@ def test_sink_extremes(sink):
 def test_empty_rows_and_special_indices():
     inputs, kw = make_case("indices", torch.float32, heads=2, dim=8, topk=4, q_lens=(5,), k_lens=(7,))
     idx = torch.tensor([[-1, -1, -1, -1],     # all invalid -> empty row
-                        [7, 100, -5, 4],       # out of range, non-causal (pos 3)
+                        [-1, 6, 4, 5],         # all past the row's position (3): skipped
                         [0, 0, 0, 2],          # duplicates count each time
-                        [5, 5, -1, 9],         # pos 5: visible once twice
+                        [5, 5, -1, 6],         # pos 5: key 5 twice, key 6 not yet
                         [6, 6, 6, 6]], dtype=torch.int32)
     kw["indices"] = idx
     kw["sinks"] = None
@@ -190,6 +193,24 @@ def test_empty_rows_and_special_indices():
     assert torch.all(got["out"][:2] == 0) and torch.all(got["d_query"][:2] == 0)
     assert torch.allclose(got["softmax_sum"][4], torch.full((2,), 4.0))
     assert oracle["softmax_sum"][4].tolist() == [4.0, 4.0]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_indices_outside_their_sequence_are_refused(backend):
+    """A position the sequence does not hold (a global row, a bad slot) is a ValueError
+    naming the argument, never skipped in silence (docs/ops.md section 2). The backward's
+    own check is tested in C++ (autograd refuses indices changed after the forward)."""
+    inputs, kw = make_case("indices", torch.float32, heads=2, dim=8, topk=4, q_lens=(3, 2), k_lens=(4, 6),
+                           window=None, ratio=2, cmp_topk=2)
+    kw["backend"] = backend
+    for name, row, bad, what in [("indices", 3, 6, "is 6, outside the sequence's 6 keys"),  # a packed row of seq 0
+                                 ("indices", 0, -2, "is -2, outside"),
+                                 ("cmp_indices", 4, 3, "is 3, outside the sequence's 3 compressed entries")]:
+        args = dict(kw)
+        args[name] = kw[name].clone()
+        args[name][row, 1] = bad
+        with pytest.raises(ValueError, match=rf"^{name}: row {row} .*{what}"):
+            dsa.dsa_sparse_attention(**inputs, **args)
 
 
 def test_v32_shapes_small_tokens():
@@ -259,6 +280,24 @@ def test_torch_compile_fullgraph():
     step(*eager).backward()
     for a, b in zip(leaves, eager):
         assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_meta_tensor_beside_real_ones_is_named():
+    """A weight not loaded yet (meta) beside real tensors is a ValueError naming it: torch
+    would otherwise route the call to the fake kernel, whose outputs hold no result. An
+    all-meta call propagates shapes (the fake kernels)."""
+    q, kv, idx = torch.randn(4, 2, 8), torch.randn(6, 8), torch.zeros(4, 3, dtype=torch.int32)
+    meta = torch.empty(6, 8, device="meta")
+    with pytest.raises(ValueError, match=r"^kv: a meta tensor .* beside query on cpu"):
+        dsa.dsa_sparse_attention(q, meta, idx, scale=1.0)
+    with pytest.raises(ValueError, match=r"^index_key: a meta tensor"):
+        dsa.dsa_indexer(q, meta, torch.randn(4, 2), topk=2)
+    cache = dsa.new_paged_cache(2, 8, dtype="bf16", block_size=4)
+    with pytest.raises(ValueError, match=r"^positions: a meta tensor"):
+        dsa.dsa_cache_gather(cache, torch.zeros(1, 1, dtype=torch.int32),
+                             torch.empty(1, 2, dtype=torch.int64, device="meta"), dim=8)
+    out, mx, _ = dsa.dsa_sparse_attention(q.to("meta"), meta, idx.to("meta"), scale=1.0)
+    assert out.device.type == "meta" and tuple(out.shape) == (4, 2, 8) and mx.device.type == "meta"
 
 
 def test_bad_inputs():
