@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from ._child import parse_token_counts, run_json_child
+from ._cli import check_writable, dtype_arg
 from ._common import missing_extra
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -153,18 +154,28 @@ def plot(rows: list, path: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="dsa-generate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="a save_pretrained folder (default: the small random --arch model)")
-    ap.add_argument("--arch", choices=("v32", "v4"), default="v32", help="the random model (default %(default)s)")
-    ap.add_argument("--layers", type=int, default=2, help="layers of the random model")
-    ap.add_argument("--dtype", choices=tuple(_DTYPES), default="bf16")
-    ap.add_argument("--prompt-lengths", default="1k,4k", help="comma list (default %(default)s)")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--compare", action="store_true", help="unpatched against dsa (the caches above)")
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
-    ap.add_argument("--json", default="build/generate.json")
-    ap.add_argument("--plot", default="build/generate.png")
-    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--model", metavar="DIR",
+                    help="a save_pretrained folder (default: the small random model of --arch)")
+    ap.add_argument("--arch", choices=("v32", "v4"), default="v32",
+                    help="the random model: DeepSeek-V3.2 or V4 (default %(default)s)")
+    ap.add_argument("--layers", type=int, default=2, help="layers of the random model (default %(default)s)")
+    ap.add_argument("--dtype", type=dtype_arg, default="bf16", metavar="{fp32,bf16}",
+                    help="the model's dtype: fp32 / float32 or bf16 / bfloat16 (default %(default)s)")
+    ap.add_argument("--prompt-lengths", default="1k,4k", metavar="LIST",
+                    help="prompt tokens, a comma list such as 1k,4k,16k (default %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=32,
+                    help="tokens generated after each prompt, >= 2 (default %(default)s)")
+    ap.add_argument("--batch", type=int, default=1, help="prompts per generate() call (default %(default)s)")
+    ap.add_argument("--compare", action="store_true",
+                    help="the unpatched model against dsa with each cache dtype, one process per run")
+    ap.add_argument("--timeout", type=float, default=900.0, metavar="S",
+                    help="seconds one run may take before it is stopped (default %(default)s)")
+    ap.add_argument("--json", default="build/generate.json", metavar="PATH",
+                    help="the results as JSON (default %(default)s)")
+    ap.add_argument("--plot", default="build/generate.png", metavar="PATH",
+                    help="with --compare: decode ms/token and prefill tokens/s against prompt length "
+                         "(default %(default)s)")
+    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--_spec", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -182,6 +193,12 @@ def main(argv=None) -> int:
         prompts = parse_token_counts(args.prompt_lengths)
     except ValueError:
         ap.error("--prompt-lengths: expected numbers such as 1024 or 4k")
+    try:  # before any run, not after minutes of them
+        for path, what in ((args.json, "--json"), (args.plot if args.compare else None, "--plot")):
+            if path:
+                check_writable(path, what)
+    except ValueError as e:
+        ap.error(str(e))
     configs = _configs(args.dtype) if args.compare else [(f"dsa-{args.dtype}", True, args.dtype)]
     runs = [(p, c) for p in prompts for c in configs]
     from tqdm import tqdm

@@ -49,3 +49,21 @@ def test_bad_arguments():
         main(["--new-tokens", "1"])
     with pytest.raises(SystemExit):
         main(["--prompt-lengths", "abc"])
+    with pytest.raises(SystemExit):
+        main(["--dtype", "float16"])
+
+
+def test_unwritable_output_fails_before_any_run(tmp_path, capsys):
+    """--json under a path that cannot exist (root passes os.access there) is exit 2 at
+    once, naming the flag; torch's dtype names are accepted."""
+    import time
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as e:
+        main(["--json", "/proc/nope/x.json", "--no-progress", "--dtype", "bfloat16"])
+    assert e.value.code == 2 and time.perf_counter() - start < 5
+    assert "--json: cannot write '/proc/nope/x.json'" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit):
+        main(["--compare", "--plot", str(tmp_path / "file" / "p.png"), "--json", str(tmp_path / "g.json")])
+    assert "--plot: cannot write" in capsys.readouterr().err
+    assert not (tmp_path / "g.json").exists()  # the probe leaves nothing behind

@@ -19,7 +19,8 @@ import sys
 from dataclasses import fields
 
 from .._common import missing_extra
-from .loop import CONFIGS, DTYPES, RunSpec, check_writable
+from .._cli import check_writable, dtype_arg
+from .loop import CONFIGS, RunSpec
 
 
 def _number(name, kind=int):
@@ -37,15 +38,6 @@ def _number(name, kind=int):
     return parse
 
 
-# torch's names for the dtypes, as transformers' arguments take them.
-_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16"}
-
-
-def _dtype(text):
-    name = _DTYPE_ALIASES.get(text, text)
-    if name not in DTYPES:
-        raise argparse.ArgumentTypeError(f"--dtype: expected fp32 / float32 or bf16 / bfloat16, got {text!r}")
-    return name
 
 
 def parser() -> argparse.ArgumentParser:
@@ -71,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
                     help="attention head dim (default %(default)s)")
     ap.add_argument("--index-topk", type=_number("--index-topk"), default=d.index_topk,
                     help="compressed entries each CSA query attends (default %(default)s)")
-    ap.add_argument("--dtype", type=_dtype, default=d.dtype, metavar="{fp32,bf16}",
+    ap.add_argument("--dtype", type=dtype_arg, default=d.dtype, metavar="{fp32,bf16}",
                     help="the model's dtype: fp32 / float32 or bf16 / bfloat16 (default %(default)s)")
     ap.add_argument("--lr", type=_number("--lr", float), default=d.lr, help="AdamW learning rate (default %(default)s)")
     ap.add_argument("--seed", type=int, default=d.seed, help="model init and data order (default %(default)s)")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .._cli import check_writable
 from .data import Batches, stdlib_corpus
 from .model import build_model, layer_types, v4_config
 
@@ -112,18 +113,6 @@ class LayerTimer:
             h.remove()
 
 
-def check_writable(path: str, what: str) -> None:
-    """Fails before training starts when `path` (a file or a folder to create) cannot be written."""
-    p = Path(path).absolute()
-    target = p if p.is_dir() else p.parent
-    while not target.exists() and target != target.parent:
-        target = target.parent
-    if not target.is_dir():
-        raise ValueError(f"{what}: cannot write {path!r} ({target} is a file, not a folder)")
-    if not os.access(target, os.W_OK):
-        raise ValueError(f"{what}: cannot write {path!r} ({target} is not writable)")
-
-
 def _patch(model, spec: RunSpec, cp_group=None):
     flags = CONFIGS[spec.config]
     if flags is None:
@@ -165,7 +154,7 @@ def run(spec: RunSpec) -> dict:
         raise ValueError(f"--dtype: expected one of {', '.join(DTYPES)}, got {spec.dtype!r}")
     for path, what in ((spec.save, "--save"),):
         if path:
-            check_writable(path, what)
+            check_writable(path, what, folder=True)
     if spec.threads:
         torch.set_num_threads(spec.threads)
     cp = _CP(spec) if spec.cp > 1 else None
