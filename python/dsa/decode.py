@@ -18,14 +18,24 @@ from ._common import check_backend, check_int, check_tensors, num_threads, plain
 from .paged_cache import check_cache_dtype
 
 
-@torch.library.custom_op("dsa::indexer_decode", mutates_args=())
-def _indexer_decode_op(index_query: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
-                       block_table: torch.Tensor, context_lens: torch.Tensor, topk: int, scale: float,
-                       cmp_ratio: int, cache_dtype: str, backend: str) -> torch.Tensor:
+def _eager(*tensors) -> bool:
+    """Whether a decode op's call may skip torch.library's dispatch (~35-50 us a call,
+    Zen 4: a decode step makes several per layer): plain eager CPU tensors, none
+    requiring a gradient (the decode ops have none; through the custom op such a
+    call keeps torch's own behaviour)."""
+    return plain_eager(*tensors) and not any(t is not None and t.requires_grad for t in tensors)
+
+
+def _indexer_decode_kernel(index_query: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,
+                           block_table: torch.Tensor, context_lens: torch.Tensor, topk: int, scale: float,
+                           cmp_ratio: int, cache_dtype: str, backend: str) -> torch.Tensor:
     indices = torch.empty(*index_query.shape[:2], topk, dtype=torch.int32, device=index_query.device)
     _C.indexer_decode(index_query, weights, key_cache, block_table, context_lens, indices, topk, scale, cmp_ratio,
                       cache_dtype, backend, num_threads())
     return indices
+
+
+_indexer_decode_op = torch.library.custom_op("dsa::indexer_decode", _indexer_decode_kernel, mutates_args=())
 
 
 @_indexer_decode_op.register_fake
@@ -46,13 +56,13 @@ def dsa_indexer_decode(index_query: torch.Tensor, weights: torch.Tensor, key_cac
                        context_lens=context_lens))
     check_cache_dtype(cache_dtype)
     check_backend(backend)
-    return _indexer_decode_op(index_query, weights, key_cache, block_table, context_lens,
-                              check_int(topk, "topk", 1), float(scale), check_int(cmp_ratio, "cmp_ratio", 1),
-                              cache_dtype, backend)
+    run = _indexer_decode_kernel if _eager(index_query, weights, key_cache, block_table, context_lens) \
+        else _indexer_decode_op
+    return run(index_query, weights, key_cache, block_table, context_lens, check_int(topk, "topk", 1), float(scale),
+               check_int(cmp_ratio, "cmp_ratio", 1), cache_dtype, backend)
 
 
-@torch.library.custom_op("dsa::sparse_attention_decode", mutates_args=())
-def _sparse_attention_decode_op(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+def _sparse_attention_decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                                 context_lens: torch.Tensor, indices: Optional[torch.Tensor],
                                 topk_lens: Optional[torch.Tensor], cmp_cache: Optional[torch.Tensor],
                                 cmp_block_table: Optional[torch.Tensor], cmp_indices: Optional[torch.Tensor],
@@ -66,6 +76,10 @@ def _sparse_attention_decode_op(query: torch.Tensor, kv_cache: torch.Tensor, blo
                                cmp_block_table, cmp_indices, sinks, out, lse, scale, d_v, window, cmp_ratio,
                                rope_dim, cache_dtype, ring, cmp_cache_dtype, backend, num_threads())
     return out, lse
+
+
+_sparse_attention_decode_op = torch.library.custom_op("dsa::sparse_attention_decode",
+                                                      _sparse_attention_decode_kernel, mutates_args=())
 
 
 @_sparse_attention_decode_op.register_fake
@@ -100,11 +114,14 @@ def dsa_sparse_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, blo
     check_cache_dtype(cache_dtype)
     cmp_cache_dtype = check_cache_dtype(cmp_cache_dtype or cache_dtype)
     check_backend(backend)
-    return _sparse_attention_decode_op(query, kv_cache, block_table, context_lens, indices, topk_lens, cmp_cache,
-                                       cmp_block_table, cmp_indices, sinks, float(scale), check_int(d_v, "d_v", 0),
-                                       check_int(window, "window", 0), check_int(cmp_ratio, "cmp_ratio", 1),
-                                       check_int(rope_dim, "rope_dim", 0), cache_dtype, bool(ring),
-                                       cmp_cache_dtype, backend)
+    run = (_sparse_attention_decode_kernel
+           if _eager(query, kv_cache, block_table, context_lens, indices, topk_lens, cmp_cache, cmp_block_table,
+                     cmp_indices, sinks)
+           else _sparse_attention_decode_op)
+    return run(query, kv_cache, block_table, context_lens, indices, topk_lens, cmp_cache, cmp_block_table,
+               cmp_indices, sinks, float(scale), check_int(d_v, "d_v", 0), check_int(window, "window", 0),
+               check_int(cmp_ratio, "cmp_ratio", 1), check_int(rope_dim, "rope_dim", 0), cache_dtype, bool(ring),
+               cmp_cache_dtype, backend)
 
 
 def _compressor_append_kernel(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor,

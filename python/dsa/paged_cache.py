@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _C
-from ._common import check_backend, check_int, check_tensors, num_threads
+from ._common import check_backend, check_int, check_tensors, num_threads, plain_eager
 
 CACHE_DTYPES = ("fp32", "bf16", "fp8")
 DEFAULT_BLOCK_SIZE = 64
@@ -39,10 +39,12 @@ def new_paged_cache(num_blocks: int, dim: int, *, rope_dim: int = 0, dtype: str 
                        device=device)
 
 
-@torch.library.custom_op("dsa::cache_write", mutates_args=("cache",))
-def _cache_write_op(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
-                    values: torch.Tensor, rope_dim: int, cache_dtype: str, ring: bool, backend: str) -> None:
+def _cache_write_kernel(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+                        values: torch.Tensor, rope_dim: int, cache_dtype: str, ring: bool, backend: str) -> None:
     _C.cache_write(cache, block_table, positions, values, rope_dim, cache_dtype, ring, backend, num_threads())
+
+
+_cache_write_op = torch.library.custom_op("dsa::cache_write", _cache_write_kernel, mutates_args=("cache",))
 
 
 @_cache_write_op.register_fake
@@ -74,8 +76,10 @@ def dsa_cache_write(cache: torch.Tensor, block_table: torch.Tensor, positions: t
     check_tensors(dict(cache=cache, block_table=block_table, positions=positions, values=values))
     check_cache_dtype(dtype)
     check_backend(backend)
-    _cache_write_op(cache, block_table, positions, values.detach(), check_int(rope_dim, "rope_dim", 0), dtype,
-                    bool(ring), backend)
+    # A decode step writes one row per layer and stream: eager calls skip
+    # torch.library's dispatch (~35 us of a ~10 us write, Zen 4), as the decode ops do.
+    run = _cache_write_kernel if plain_eager(cache, block_table, positions, values) else _cache_write_op
+    run(cache, block_table, positions, values.detach(), check_int(rope_dim, "rope_dim", 0), dtype, bool(ring), backend)
 
 
 def dsa_cache_gather(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor, *, dim: int,

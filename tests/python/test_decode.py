@@ -267,3 +267,38 @@ def test_a_ring_refuses_positions_it_no_longer_holds():
     with pytest.raises(ValueError, match="left the ring"):
         dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, ring=True,
                                     indices=torch.tensor([[[3, 39]]], dtype=torch.int32))
+
+
+def test_decode_ops_pass_opcheck_and_compile_to_the_eager_bits():
+    """Eager calls skip torch.library's dispatch (dsa.decode._eager); the custom ops stay
+    what traced and compiled code runs: opcheck passes, and torch.compile(fullgraph)
+    gives the eager call's bits."""
+    from dsa.decode import _indexer_decode_op, _sparse_attention_decode_op
+    from dsa.paged_cache import _cache_write_op
+    g = torch.Generator().manual_seed(5)
+    ctx, Hi, Di, H, D, rope = [40, 70], 4, 64, 16, 96, 32
+    keys = [torch.randn(c, Di, generator=g) for c in ctx]
+    rows = [torch.randn(c, D, generator=g) for c in ctx]
+    kcache, ktable = paged(keys, rope_dim=0, dtype="bf16", block_size=16, seed=2)
+    cache, table = paged(rows, rope_dim=rope, dtype="fp8", block_size=16, seed=3)
+    iq = torch.randn(2, 1, Hi, Di, generator=g).bfloat16()
+    iw = torch.rand(2, 1, Hi, generator=g).bfloat16()
+    q = torch.randn(2, 1, H, D, generator=g).bfloat16()
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    torch.library.opcheck(_indexer_decode_op, (iq, iw, kcache, ktable, lens, 8, 0.3, 1, "bf16", "cpu"))
+    idx = dsa_indexer_decode(iq, iw, kcache, ktable, lens, topk=8, scale=0.3)
+    torch.library.opcheck(_sparse_attention_decode_op, (q, cache, table, lens, idx, None, None, None, None, None,
+                                                        0.1, 64, 0, 1, rope, "fp8", False, "fp8", "cpu"))
+    scratch = cache.clone()
+    torch.library.opcheck(_cache_write_op, (scratch, table, torch.tensor([[3], [5]]), torch.randn(2, 1, D).bfloat16(),
+                                            rope, "fp8", False, "cpu"))
+
+    def step(iq, iw, q):
+        i = dsa_indexer_decode(iq, iw, kcache, ktable, lens, topk=8, scale=0.3)
+        return dsa_sparse_attention_decode(q, cache, table, lens, scale=0.1, d_v=64, indices=i, rope_dim=rope,
+                                           cache_dtype="fp8")
+
+    eager = step(iq, iw, q)
+    compiled = torch.compile(step, fullgraph=True)(iq, iw, q)
+    for a, b in zip(eager, compiled):
+        assert torch.equal(a, b)

@@ -4,7 +4,7 @@ transformers runs V3.2's MLA non-absorbed: ``kv_b_proj`` expands the 512-dim lat
 into per-head keys and values. dsa's sparse attention works on the shared latent,
 so the patch absorbs ``kv_b_proj`` on the fly: the query's no-RoPE part goes to the
 latent through W_UK, and the latent output comes back to per-head values through
-W_UV (both einsums keep ``kv_b_proj`` in the graph, so it gets its gradient).
+W_UV (both products read views of ``kv_b_proj.weight``, so it gets its gradient).
 """
 from __future__ import annotations
 
@@ -95,6 +95,16 @@ def _absorbed_query(self, q_pass, q_rot):
     return torch.cat([torch.einsum("bhsd,hdr->bshr", q_pass, w_uk), q_rot.transpose(1, 2)], dim=-1), w_uv
 
 
+def _value_up(out, w_uv):
+    """[B, S, H, rank] latent outputs to [B, S, H, dv] through W_UV [H, dv, rank] (a view
+    of kv_b_proj.weight, so its gradient reaches the module). As W_UV . out^T per head:
+    the einsum "bshr,hvr->bshv" transposed the strided W_UV first, ~0.6 ms of a 16-head
+    decode step's ~1 ms layer on a Zen 4 core; this form reads it as it lies (0.14 ms)."""
+    b, s, h, rank = out.shape
+    cols = out.permute(2, 3, 0, 1).reshape(h, rank, b * s)
+    return torch.bmm(w_uv, cols).view(h, -1, b, s).permute(2, 3, 0, 1)
+
+
 def attention_forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None,
                       position_ids=None, **kwargs):
     if isinstance(past_key_values, DsaCache):
@@ -175,7 +185,7 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     if loss_kind is not None:
         st.indexer_losses[self._dsa_name] = kl.detach()
         out = _loss.attach(out, kl)
-    out = torch.einsum("bshr,hvr->bshv", geom.unflat(out), w_uv)
+    out = _value_up(geom.unflat(out), w_uv)
     return self.o_proj(out.reshape(batch, seq, heads * dv)), None
 
 
@@ -220,7 +230,7 @@ def _paged_forward(self, hidden_states, position_embeddings, attention_mask, cac
                                              scale=self.scaling, d_v=self.kv_lora_rank, indices=indices,
                                              rope_dim=self.qk_rope_head_dim, cache_dtype=layer.latent.cache_dtype,
                                              backend=st.options.backend)
-        out = torch.einsum("bshr,hvr->bshv", out, w_uv)
+        out = _value_up(out, w_uv)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * self.v_head_dim)), None
 
     # Prefill, chunks and ragged calls: each request's cached rows, back to back (its
@@ -234,7 +244,7 @@ def _paged_forward(self, hidden_states, position_embeddings, attention_mask, cac
                                      **spans)
     full = out.new_zeros(batch, seq, *out.shape[1:])
     full[valid] = out
-    out = torch.einsum("bshr,hvr->bshv", full, w_uv)
+    out = _value_up(full, w_uv)
     return self.o_proj(out.reshape(batch, seq, self.num_heads * self.v_head_dim)), None
 
 
