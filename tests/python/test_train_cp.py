@@ -80,3 +80,25 @@ def test_cp_flag_errors(monkeypatch, capsys):
     assert "without --cp 2" in err, err
     err = _main(monkeypatch, capsys, ["--cp", "0"])
     assert "--cp: expected an integer >= 1, got 0" in err, err
+
+
+def test_gradient_checkpointing_keeps_the_loss_curve(tmp_path):
+    """--gradient-checkpointing (one process, and under --cp 2) trains the same steps as
+    the run that keeps its activations: dsa's ops recompute the same bits, and under CP
+    the recompute's collectives run in the same order on both ranks."""
+    plain, ckpt, cp_ckpt = tmp_path / "plain.json", tmp_path / "ckpt.json", tmp_path / "cp_ckpt.json"
+    for prefix, args, path in (([sys.executable], [], plain),
+                               ([sys.executable], ["--gradient-checkpointing"], ckpt),
+                               ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2"], ["--cp", "2", "--gradient-checkpointing"], cp_ckpt)):
+        r = _run(prefix, args, path)
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b, c = (json.loads(p.read_text()) for p in (plain, ckpt, cp_ckpt))
+    assert b["spec"]["gradient_checkpointing"] and c["spec"]["gradient_checkpointing"]
+    for x, y, z in zip(a["steps"], b["steps"], c["steps"]):
+        assert y["loss"] == x["loss"], (x["step"], x["loss"], y["loss"])  # one process: the same bits
+        assert abs(z["loss"] - x["loss"]) <= 1e-4 * abs(x["loss"]), (x["step"], x["loss"], z["loss"])
+        for t in x["indexer_kl"]:
+            assert y["indexer_kl"][t] == x["indexer_kl"][t]
+            assert abs(z["indexer_kl"][t] - x["indexer_kl"][t]) <= 1e-4 * abs(x["indexer_kl"][t])
+    assert a["steps"][-1]["loss"] < a["steps"][0]["loss"] - 0.05

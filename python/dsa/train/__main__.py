@@ -86,6 +86,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cp", type=_number("--cp"), default=d.cp, metavar="W",
                     help="context parallel over W ranks (gloo; start with torchrun --nproc-per-node W); "
                          "each rank trains on its contiguous run of every batch")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="recompute each decoder layer in the backward instead of keeping its activations "
+                         "(transformers' activation_checkpointing_enable, non-reentrant; less memory, one more "
+                         "forward)")
     ap.add_argument("--_child-spec", help=argparse.SUPPRESS)
     ap.add_argument("--_child-out", help=argparse.SUPPRESS)
     ap.add_argument("--_child-budget", type=float, help=argparse.SUPPRESS)

@@ -49,6 +49,7 @@ class RunSpec:
     resume: str | None = None
     progress: bool = True
     cp: int = 1  # context-parallel ranks (> 1: one process each, started by torchrun)
+    gradient_checkpointing: bool = False  # transformers' activation checkpointing (non-reentrant) per layer
 
 
 @dataclass
@@ -78,6 +79,12 @@ def _rss_gib(field_name: str) -> float:
     return proc_gib("/proc/self/status", field_name)
 
 
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a checkpointed
+    layer's forward then is its recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class LayerTimer:
     """Wall time of each decoder layer's forward and backward, from module hooks."""
 
@@ -96,11 +103,15 @@ class LayerTimer:
 
     def _mark(self, starts, i):
         def hook(*_):
+            if starts is self._start_fwd and _in_backward():
+                return  # a checkpointed layer's recompute: its backward span already counts it
             starts[i] = time.perf_counter()
         return hook
 
     def _add(self, starts, i):
         def hook(*_):
+            if starts is self._start_fwd and _in_backward():
+                return
             self.totals[i] += time.perf_counter() - starts[i]
         return hook
 
@@ -177,6 +188,11 @@ def _run(spec: RunSpec, cp) -> dict:
         model = build_model(config, spec.seed, dtype)
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
     patched = _patch(model, spec, cp.group if cp is not None else None)
+    if spec.gradient_checkpointing:
+        # Each decoder layer keeps only its input and recomputes the rest in the
+        # backward (dsa's ops are deterministic, so the recompute is the same bits;
+        # under CP its collectives rerun in the same order on every rank).
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     types = layer_types(model)
     timer = LayerTimer(model.model.layers)
     rss_start = _rss_gib("VmRSS")
