@@ -44,18 +44,19 @@ def _grads(model):
             for n, p in model.named_parameters()}
 
 
-def _single(model, ids, pos):
+def _single(model, ids, pos, **extra):
     """The single-process packed call (one row, position ids restarting per document)."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids[None], position_ids=pos[None], labels=ids[None], use_cache=False)
+    out = model(input_ids=ids[None], position_ids=pos[None], labels=ids[None], use_cache=False, **extra)
     out.loss.backward()
     return out.logits.detach()[0], out.loss.detach(), _grads(model)
 
 
-def _cp_run(model, ids, ends, offsets, rank):
+def _cp_run(model, ids, ends, offsets, rank, **extra):
     model.zero_grad(set_to_none=True)
     kw = cp_batch(model, ids[offsets[rank]:offsets[rank + 1]], ends)
-    out = model(**kw)
+    out = model(**kw, **extra)
+    model._dsa_last_out = out
     out.loss.backward()
     grads = _grads(model)
     # Replicated parameters: each rank holds its part of the gradient; one flat all-reduce.
@@ -117,6 +118,38 @@ def case_grads_averaged(chk, world, rank):
         chk.close(f"grad {n} (averaged over ranks)", c_grads[n] / world, g)
 
 
+def case_router_logits(chk, world, rank, averaged=False):
+    """output_router_logits=True (V4's MoE balance loss) under CP: the aux-loss shares and
+    the loss shares sum to the single-process values, and the gradients (the router's
+    included) summed over the ranks equal its gradients; averaged: W times the shares."""
+    ends, offsets = PACKED[world]
+    base = build("v4")
+    ids, pos = _inputs(ends)
+    ref = patch(copy.deepcopy(base), strict=True)
+    ref_out = ref(input_ids=ids[None], position_ids=pos[None], labels=ids[None], use_cache=False,
+                  output_router_logits=True)
+    _, loss, grads = _single(ref, ids, pos, output_router_logits=True)
+    chk.true(f"the single-process run has a balance loss: {ref_out.aux_loss}",
+             isinstance(ref_out.aux_loss, torch.Tensor) and bool(ref_out.aux_loss > 0))
+    cpm = patch(copy.deepcopy(base), strict=True, cp_group=dist.group.WORLD, grads_averaged_over_cp=averaged)
+    _, c_loss, c_grads, shard = _cp_run(cpm, ids, ends, offsets, rank, output_router_logits=True)
+    scale = world if averaged else 1
+    chk.close("aux loss (sum of shares)", loss_for_logging(cpm._dsa_last_out.aux_loss, shard),
+              scale * ref_out.aux_loss.detach())
+    chk.close("loss with the balance term (sum of shares)", c_loss, scale * loss)
+    for n, g in grads.items():
+        chk.close(f"grad {n} (summed over ranks)", c_grads[n] / scale, g)
+    # The balance loss reaches the score-routed layers' routers (the first layers of
+    # V4 route by token hash: no router gradient there, in either run).
+    router = [n for n in grads if n.endswith("mlp.gate.weight") and bool(grads[n].abs().sum() > 0)]
+    chk.true(f"router weights get a gradient: {router}", bool(router) and all(
+        bool(c_grads[n].abs().sum() > 0) for n in router))
+    import sys
+    module = sys.modules[type(cpm).__module__]
+    chk.true("the modeling module's balance loss is transformers' own again after the call",
+             module.load_balancing_loss_func.__module__ == module.__name__)
+
+
 def case_vs_unpatched(chk, world, rank, kind, layout):
     """CP against transformers' own model, fp32 as the naive peer and float64 as the oracle."""
     ends, offsets = (PACKED if layout == "packed" else SINGLE)[world]
@@ -161,8 +194,6 @@ def case_errors(chk, world, rank):
     _expect_raise(chk, "a caller's attention mask", PatchFallbackError, ["mask"],
                   lambda: cpm(**kw, attention_mask=torch.ones(1, local.numel(), dtype=torch.long).index_fill_(
                       1, torch.tensor([0]), 0)))
-    _expect_raise(chk, "output_router_logits", PatchFallbackError, ["output_router_logits"],
-                  lambda: cpm(**kw, output_router_logits=True))
     _expect_raise(chk, "position ids not from the shard", PatchFallbackError, ["position_ids"],
                   lambda: cpm(**{**kw, "position_ids": torch.arange(local.numel())[None] + 1}))
     wrong = list(ends)
@@ -180,6 +211,7 @@ def case_errors(chk, world, rank):
 def cases(world):
     out = [
         ("v4_packed_sparse_kl", lambda c, w, r: case_vs_single(c, w, r, "v4", "packed", "sparse")),
+        ("v4_router_logits", case_router_logits),
         ("v32_packed_sparse_kl", lambda c, w, r: case_vs_single(c, w, r, "v32", "packed", "sparse")),
     ]
     if world == 2:  # the rest once: W = 3 adds a rank whose run is inside one document, not new code paths
@@ -188,6 +220,7 @@ def cases(world):
             ("v32_packed_dense_kl", lambda c, w, r: case_vs_single(c, w, r, "v32", "packed", "dense")),
             ("v32_packed_vs_unpatched", lambda c, w, r: case_vs_unpatched(c, w, r, "v32", "packed")),
             ("grads_averaged_over_cp", case_grads_averaged),
+            ("v4_router_logits_averaged", lambda c, w, r: case_router_logits(c, w, r, averaged=True)),
             ("errors", case_errors),
         ]
     return out

@@ -75,7 +75,9 @@ def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compress
       ``model(**cp_batch(model, local_input_ids, doc_ends))`` on its contiguous run of the
       packed stream. Needs ``sas=True``, ``li=True`` and ``compressor=True``. Under CP a
       call dsa cannot run exactly raises :class:`PatchFallbackError` (there is no
-      fallback: the model's own attention would see this rank's keys only).
+      fallback: the model's own attention would see this rank's keys only). With
+      ``output_router_logits=True`` (V4's MoE balance loss) ``out.aux_loss`` is this
+      rank's share, its expert statistics summed over the group.
     - ``cache_dtype``: the storage of the :class:`DsaCache` that ``generate()`` creates for a
       patched DeepSeek-V3.2 model (``"fp32"``, ``"bf16"``, ``"fp8"``; None: the model's
       dtype). docs/serving.md, "Generation".
@@ -155,6 +157,9 @@ def patch(model: torch.nn.Module, *, sas: bool = True, li: bool = True, compress
         # generate() then caches in dsa's paged caches (DsaCache) where it can.
         from ._cache import prepare_cache_for_generation
         model._prepare_cache_for_generation = types.MethodType(prepare_cache_for_generation, model)
+    if cp_group is not None:
+        from . import _cp
+        state.cp_hooks = _cp.install_balance_loss(model, state)
     setattr(model, _STATE_ATTR, state)
     return model
 
@@ -171,6 +176,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             del module._dsa_name
     model.__dict__.pop("_prepare_cache_for_generation", None)
     if _STATE_ATTR in model.__dict__:
+        for hook in model.__dict__[_STATE_ATTR].cp_hooks:
+            hook.remove()
         delattr(model, _STATE_ATTR)
     return model
 

@@ -17,8 +17,12 @@ call that mix tokens across the sequence are handled here:
   mask (a caller's own mask is refused; a caller's dense 4-D mask is compared as before).
 - The LM loss: ``cp_batch`` shifts the labels over the rank boundary and passes the
   global target count, so ``out.loss`` is this rank's share of the global mean.
+- The MoE load-balancing loss (``output_router_logits=True``, DeepSeek-V4): while the
+  CP-patched model runs, its modeling module's ``load_balancing_loss_func`` is the
+  CP form below: the expert pick counts and the row count are summed over the ranks,
+  so ``out.aux_loss`` (and its part of ``out.loss``) is this rank's share.
 - Everything else that would need the whole sequence (a cache, output_attentions,
-  the MoE load-balancing loss, attention dropout) raises :class:`PatchFallbackError`:
+  attention dropout) raises :class:`PatchFallbackError`:
   under CP the model's own forward would attend to local keys only, and a rank that
   left the collectives would stall the others, so there is no fallback to run.
 """
@@ -119,8 +123,6 @@ def call_shard(module, state, kwargs, past_key_values, attention_mask, position_
     reason = call_reason(module, kwargs)
     if reason is None and past_key_values is not None:
         reason = "a cache (pass use_cache=False: cp_batch does)"
-    if reason is None and kwargs.get("output_router_logits"):
-        reason = "output_router_logits (the MoE load-balancing loss is a product of whole-sequence means)"
     if reason is None and (batch != 1 or seq != shard.local_rows):
         reason = f"input of shape [{batch}, {seq}]; the shard holds one row of {shard.local_rows} tokens"
     if reason is None and position_ids is not None:
@@ -201,3 +203,70 @@ def cp_batch(state, input_ids, doc_ends, labels=None, ignore_index: int = -100) 
             "labels": labels.unsqueeze(0), "shift_labels": shift.unsqueeze(0),
             "num_items_in_batch": torch.tensor(float(items)), "use_cache": False,
             SHARD_KWARG: shard}
+
+
+# ---------------------------------------------------------------- MoE balance loss
+
+def balance_loss_share(group, scale: float):
+    """transformers' ``load_balancing_loss_func`` (Switch Transformer's loss,
+    ``E * sum_e f_e * P_e``: f_e the share of top-k picks that went to expert e, P_e its
+    mean router probability, both over every row of every layer) as this rank's share.
+    f is a count (no gradient): its sums, and the row count, are all-reduced over
+    ``group``. P is linear in the rows, so ``E * sum_e f_e * P_e(local rows) / N`` summed
+    over the ranks is the single-process loss, and each rank's gradient is its rows'
+    part of it. ``scale`` is W where the gradients will be averaged over the ranks."""
+    import torch.distributed as dist
+
+    def share(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        if gate_logits is None or not isinstance(gate_logits, tuple):
+            return 0
+        device = gate_logits[0].device
+        picks = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
+        rows = torch.zeros((), dtype=torch.float32, device=device)
+        flat_mask = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
+        for layer_gate in gate_logits:
+            weights = torch.nn.functional.softmax(layer_gate.to(device), dim=-1)
+            _, chosen = torch.topk(weights, top_k, dim=-1)
+            if flat_mask is None:
+                picks = picks + torch.histc(chosen.reshape(-1).float(), bins=num_experts, min=0, max=num_experts)
+                probs = probs + weights.float().sum(dim=0)
+                rows = rows + weights.shape[0]
+            else:
+                picks = picks + torch.zeros_like(picks).scatter_add_(0, chosen.reshape(-1),
+                                                                     flat_mask.repeat_interleave(top_k))
+                probs = probs + (weights.float() * flat_mask.unsqueeze(-1)).sum(dim=0)
+                rows = rows + flat_mask.sum()
+        totals = torch.cat([picks, rows.reshape(1)]).detach()
+        dist.all_reduce(totals, group=group)
+        picks, rows = totals[:-1], totals[-1]
+        return torch.sum((picks / rows) * (probs / rows)) * num_experts * scale
+
+    return share
+
+
+def install_balance_loss(model, state) -> list:
+    """Hooks that make the model's modeling module compute the balance loss as a CP share
+    while the model runs (restored after, an exception included). [] where the module
+    has no ``load_balancing_loss_func`` (DeepSeek-V3.2 has no auxiliary loss)."""
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    if state.cp_group is None or module is None or not hasattr(module, "load_balancing_loss_func"):
+        return []
+    import torch.distributed as dist
+
+    world = dist.get_world_size(state.cp_group)
+    cp_form = balance_loss_share(state.cp_group, float(world) if state.cp_grads_averaged else 1.0)
+    saved = []
+
+    def before(mod, args, kwargs):
+        saved.append(module.load_balancing_loss_func)
+        module.load_balancing_loss_func = cp_form
+
+    def after(mod, args, kwargs, output):
+        if saved:
+            module.load_balancing_loss_func = saved.pop()
+
+    return [model.register_forward_pre_hook(before, with_kwargs=True),
+            model.register_forward_hook(after, with_kwargs=True, always_call=True)]

@@ -71,6 +71,7 @@ class PatchState:
     cp_group: Optional[object] = None    # patch(cp_group=...): the context-parallel process group
     cp_grads_averaged: bool = False      # patch(grads_averaged_over_cp=...): the loss shares are scaled by W
     cp_mask_checked: Optional[tuple] = None  # (weakref to the last mask found right, window)
+    cp_hooks: list = field(default_factory=list)  # the model's hooks of _cp.install_balance_loss
 
     def fallback(self, reason: str) -> None:
         """Counts a call that runs the model's own forward; warns once per reason."""
