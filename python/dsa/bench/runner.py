@@ -140,8 +140,10 @@ def time_impl(fn, inputs: dict[str, Any], repeats: Optional[int], deadline: Opti
     # A second warm-up run estimates better: the first carries lazy initialisation
     # (~1 s on a first decode call), which made a 5 ms op look slow enough for only
     # MIN_REPEATS timed runs, the first of them still settling. Skipped only for runs
-    # long enough that the budget cannot afford one.
-    if estimate < 2.0:
+    # long enough that the budget cannot afford one, or when the deadline would not
+    # leave a timed run after it.
+    if estimate < 2.0 and (deadline is None
+                           or time.perf_counter() + 2 * (estimate * 1.1 + 0.1) <= deadline):
         t0 = time.perf_counter()
         out = fn(inputs)
         estimate = time.perf_counter() - t0
