@@ -11,6 +11,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/cpu_features.h"
@@ -284,6 +285,16 @@ Config tnd(std::vector<std::int64_t> q, std::vector<std::int64_t> k) {
   return c;
 }
 
+// BSND: one batch row per sequence, padded to sq queries and sk keys.
+Config bsnd(std::int64_t sq, std::int64_t sk, std::vector<std::int64_t> q, std::vector<std::int64_t> k) {
+  Config c = tnd(std::move(q), std::move(k));
+  c.layout = Layout::BSND;
+  c.batch = static_cast<std::int64_t>(c.q_lens.size());
+  c.sq = sq;
+  c.sk = sk;
+  return c;
+}
+
 // An ISA parameter past amx: avx512_bf16 with the pair kernels' own bf16 forward, the
 // AMX forward's algorithm on vdpbf16ps (so AVX512-BF16 machines test it too).
 constexpr int kPairForwardOnBf16Dots = static_cast<int>(core::Isa::amx) + 1;
@@ -431,14 +442,8 @@ TEST_P(SparseAttentionModes, CompressedIndicesOverLongSequences) {
 }
 
 TEST_P(SparseAttentionModes, BsndPaddedIndices) {
-  Config c;
-  c.layout = Layout::BSND;
+  Config c = bsnd(6, 10, {6, 0, 3}, {10, 4, 3});
   c.dtype = dtype();
-  c.batch = 3;
-  c.sq = 6;
-  c.sk = 10;
-  c.q_lens = {6, 0, 3};
-  c.k_lens = {10, 4, 3};
   c.heads = 2;
   c.dim = 20;
   c.topk = 7;
@@ -446,14 +451,8 @@ TEST_P(SparseAttentionModes, BsndPaddedIndices) {
 }
 
 TEST_P(SparseAttentionModes, BsndWindowCompressed) {
-  Config c;
-  c.layout = Layout::BSND;
+  Config c = bsnd(9, 12, {9, 4}, {12, 7});
   c.dtype = dtype();
-  c.batch = 2;
-  c.sq = 9;
-  c.sk = 12;
-  c.q_lens = {9, 4};
-  c.k_lens = {12, 7};
   c.heads = 2;
   c.dim = 16;
   c.window = 4;
@@ -729,13 +728,7 @@ TEST(SparseAttention, IndicesOutsideTheirSequenceAreRefused) {
     expect_refused(p, reinterpret_cast<std::int32_t*>(p.cmp_indices.bytes.data()), 2, "cmp_indices",
                    "is 2, outside the sequence's 2 compressed entries");
   }
-  Config b;
-  b.layout = Layout::BSND;
-  b.batch = 2;
-  b.sq = 4;
-  b.sk = 6;
-  b.q_lens = {4, 2};
-  b.k_lens = {6, 3};
+  Config b = bsnd(4, 6, {4, 2}, {6, 3});
   b.heads = 2;
   b.dim = 8;
   b.topk = 3;

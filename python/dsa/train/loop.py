@@ -95,24 +95,24 @@ class LayerTimer:
         self.handles = []
         for i, layer in enumerate(layers):
             self.handles += [
-                layer.register_forward_pre_hook(self._mark(self._start_fwd, i)),
-                layer.register_forward_hook(self._add(self._start_fwd, i)),
+                layer.register_forward_pre_hook(self._mark(self._start_fwd, i, forward=True)),
+                layer.register_forward_hook(self._add(self._start_fwd, i, forward=True)),
                 layer.register_full_backward_pre_hook(self._mark(self._start_bwd, i)),
                 layer.register_full_backward_hook(self._add(self._start_bwd, i)),
             ]
 
-    def _mark(self, starts, i):
+    # A forward hook firing inside a backward is a checkpointed layer's recompute:
+    # its backward span already counts it.
+    def _mark(self, starts, i, forward=False):
         def hook(*_):
-            if starts is self._start_fwd and _in_backward():
-                return  # a checkpointed layer's recompute: its backward span already counts it
-            starts[i] = time.perf_counter()
+            if not (forward and _in_backward()):
+                starts[i] = time.perf_counter()
         return hook
 
-    def _add(self, starts, i):
+    def _add(self, starts, i, forward=False):
         def hook(*_):
-            if starts is self._start_fwd and _in_backward():
-                return
-            self.totals[i] += time.perf_counter() - starts[i]
+            if not (forward and _in_backward()):
+                self.totals[i] += time.perf_counter() - starts[i]
         return hook
 
     def take(self) -> list[float]:

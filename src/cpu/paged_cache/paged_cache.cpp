@@ -20,9 +20,12 @@ template <class Body>
 void over_rows(const CacheRowsProblem& p, const Body& body) {
   const std::int64_t tasks = (p.rows() + kRowsPerTask - 1) / kRowsPerTask;
   if (tasks == 0) return;
-  core::parallel_for(tasks, std::min<std::int64_t>(p.num_threads, tasks), [&](std::int64_t task, int) {
-    std::vector<float> row(p.cache.layout.dim);
-    for (std::int64_t r = task * kRowsPerTask; r < std::min(p.rows(), (task + 1) * kRowsPerTask); ++r) body(r, row.data());
+  // One fp32 row buffer per thread, made before the tasks (not one per task).
+  const int threads = static_cast<int>(std::min<std::int64_t>(p.num_threads, tasks));
+  std::vector<std::vector<float>> rows(std::max(threads, 1), std::vector<float>(p.cache.layout.dim));
+  core::parallel_for(tasks, threads, [&](std::int64_t task, int thread) {
+    float* row = rows[thread].data();
+    for (std::int64_t r = task * kRowsPerTask; r < std::min(p.rows(), (task + 1) * kRowsPerTask); ++r) body(r, row);
   });
 }
 
