@@ -8,7 +8,7 @@ shard names, with the shard's lengths.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -19,9 +19,7 @@ from ..kl_loss import dsa_kl_loss
 from ..layer import CompressedKV, LayerCompressMode, layer_compress_mode
 from ..sparse_attention import dsa_sparse_attention
 from .comm import _dist, all_gather_rows, all_reduce_count, comm_device, tie
-from .shard import TNDShard, ZigzagShard, _check_ends
-
-Shard = Union[TNDShard, ZigzagShard]
+from .shard import OpCall, Shard, TNDShard, ZigzagShard, _check_ends, check_shard
 
 __all__ = ["tnd_shard", "zigzag_shard", "shard_rows", "gather", "compressor", "indexer", "sparse_attention",
            "dense_indexer_lse", "kl_loss", "dense_indexer_kl_loss", "loss_for_logging"]
@@ -97,32 +95,13 @@ def zigzag_shard(seq_len: int, lengths=None, *, batch: Optional[int] = None, gro
 def shard_rows(x_global: torch.Tensor, shard: Shard) -> torch.Tensor:
     """This rank's rows of a global tensor (TND: dim 0; BSND: dim 1, zigzag order). For data
     loaders and tests."""
-    if isinstance(shard, TNDShard):
-        return x_global[shard.row_start:shard.row_end]
-    return x_global.index_select(1, shard.local_index().to(x_global.device))
+    return check_shard(shard).rows_of(x_global)
 
 
 def gather(x_local: torch.Tensor, shard: Shard) -> torch.Tensor:
     """Differentiable all-gather of a key-side tensor into natural global order; its backward
     sums the gradient over ranks and returns each rank the part of its own rows."""
-    if isinstance(shard, TNDShard):
-        return all_gather_rows(x_local, shard.local_counts, shard.rank, shard.group, 0)
-    c2 = 2 * shard.chunk
-    g = all_gather_rows(x_local, [c2] * shard.world_size, shard.rank, shard.group, 1)
-    # Rank-major chunks -> natural order (index_select's backward scatters the gradient back).
-    order = shard.gathered_order()
-    inverse = [0] * len(order)
-    for slot, k in enumerate(order):
-        inverse[k] = slot
-    c = shard.chunk
-    idx = torch.cat([torch.arange(s * c, (s + 1) * c) for s in inverse]).to(x_local.device)
-    return g.index_select(1, idx)
-
-
-def _check_gathered(t: Optional[torch.Tensor], rows: int, name: str, dim: int = 0) -> None:
-    if t is not None and t.shape[dim] != rows:
-        raise ValueError(f"{name}: expected the gathered tensor ({rows} rows along dim {dim}), "
-                         f"got shape {list(t.shape)}; pass dsa.cp.gather(...) of the local rows")
+    return check_shard(shard).gather(x_local)
 
 
 # -- V4 compressor ---------------------------------------------------------------------------
@@ -143,10 +122,12 @@ def compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor
         return CompressedKV(mode, 1, None, None)
     if overlap is None:
         overlap = mode is LayerCompressMode.INDEXER
-    if isinstance(shard, ZigzagShard):
-        return _compressor_zigzag(kv, gate, position_bias, ratio, overlap, shard, mode, backend)
-    if not isinstance(shard, TNDShard):
-        raise ValueError(f"shard: expected a TNDShard or ZigzagShard, got {type(shard).__name__}")
+    by_layout = {"TND": _compressor_tnd, "BSND": _compressor_zigzag}
+    return by_layout[check_shard(shard).layout](kv, gate, position_bias, ratio, overlap, shard, mode, backend)
+
+
+def _compressor_tnd(kv, gate, position_bias, ratio, overlap, shard, mode, backend) -> CompressedKV:
+    """TND: each entry computed once, by its owner, from a halo of earlier ranks' rows."""
     if kv.shape[0] != shard.local_rows or gate.shape != kv.shape:
         raise ValueError(f"kv, gate: expected [{shard.local_rows}, C] local rows of the same shape, "
                          f"got {list(kv.shape)} and {list(gate.shape)}")
@@ -203,39 +184,14 @@ def _compressor_zigzag(kv, gate, position_bias, ratio, overlap, shard, mode, bac
 
 # -- op wrappers -------------------------------------------------------------------------------
 
-def _calls(shard: Shard):
-    if isinstance(shard, TNDShard):
-        return [(slice(None), shard.query_lengths, shard.key_lengths)]
-    return [(call.query_slice, call.query_lengths, call.key_lengths) for call in shard.calls]
-
-
-def _q(t: Optional[torch.Tensor], sl: slice, shard: Shard) -> Optional[torch.Tensor]:
-    if t is None or isinstance(shard, TNDShard):
-        return t
-    # The ops need batch-mergeable rows, which a [:, chunk] slice of [B, 2c, ...] is not
-    # (for B > 1): one copy of the query-side chunk (its gradient flows back through it).
-    return t[:, sl].contiguous()
-
-
-def _layout(shard: Shard) -> str:
-    return "TND" if isinstance(shard, TNDShard) else "BSND"
-
-
-def _key_prefix(t: Optional[torch.Tensor], shard: Shard, name: str, rows_total: int, rows_used: int):
-    """TND: the prefix view [0, rows_used) of a gathered tensor. BSND: the whole tensor (BSND
-    keys may be longer than their valid length; the explicit key lengths bound them)."""
-    if t is None:
-        return None
-    _check_gathered(t, rows_total, name, 0 if isinstance(shard, TNDShard) else 1)
-    return t[:rows_used] if isinstance(shard, TNDShard) else t
-
-
-def _key_rows(shard: Shard, ratio: int = 1) -> tuple[int, int]:
-    if isinstance(shard, TNDShard):
-        if ratio == 1:
-            return shard.total_rows, shard.kv_rows
-        return shard.cmp_total(ratio), shard.cmp_rows(ratio)
-    return shard.seq_len // ratio, shard.seq_len // ratio
+def _outputs(outs: list, shard: Shard):
+    """One call's result as it is; several (zigzag) joined along the sequence axis, tuple
+    results element by element."""
+    if len(outs) == 1:
+        return outs[0]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts, shard.seq_dim) for parts in zip(*outs))
+    return torch.cat(outs, shard.seq_dim)
 
 
 def indexer(index_query, index_key, weights, *, shard: Shard, topk: int, scale: float = 1.0, cmp_ratio: int = 1,
@@ -243,18 +199,13 @@ def indexer(index_query, index_key, weights, *, shard: Shard, topk: int, scale: 
     """``dsa_indexer`` under CP: local ``index_query``/``weights``, gathered ``index_key``
     (raw, or the gathered compressed indexer keys with ``cmp_ratio > 1``). Indices are local
     to each query's document, exactly as in a single-process run."""
-    total, used = _key_rows(shard, cmp_ratio)
-    ik = _key_prefix(index_key, shard, "index_key", total, used)
-    outs = []
-    for sl, ql, kl in _calls(shard):
-        outs.append(dsa_indexer(_q(index_query, sl, shard), ik, _q(weights, sl, shard), topk=topk, scale=scale,
-                                cmp_ratio=cmp_ratio, query_lengths=ql, key_lengths=kl, layout=_layout(shard),
-                                return_scores=return_scores, backend=backend))
-    if len(outs) == 1:
-        return outs[0]
-    if return_scores:
-        return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
-    return torch.cat(outs, 1)
+    shard = check_shard(shard)
+    ik = shard.key_prefix(index_key, "index_key", cmp_ratio)
+    q = shard.query_part
+    return _outputs([dsa_indexer(q(index_query, c), ik, q(weights, c), topk=topk, scale=scale, cmp_ratio=cmp_ratio,
+                                 query_lengths=c.query_lengths, key_lengths=c.key_lengths, layout=shard.layout,
+                                 return_scores=return_scores, backend=backend)
+                     for c in shard.op_calls()], shard)
 
 
 def sparse_attention(query, kv, indices=None, *, shard: Shard, scale: float, d_v: Optional[int] = None,
@@ -265,58 +216,39 @@ def sparse_attention(query, kv, indices=None, *, shard: Shard, scale: float, d_v
     ``kv``, ``key_rope``: gathered raw; ``cmp_kv``: the gathered compressed stream
     (``compressor(...).compressed``). Returns ``(out, softmax_max, softmax_sum)`` of the
     local rows."""
-    total, used = _key_rows(shard)
-    kv_p = _key_prefix(kv, shard, "kv", total, used)
-    kr_p = _key_prefix(key_rope, shard, "key_rope", total, used)
+    shard = check_shard(shard)
+    kv_p = shard.key_prefix(kv, "kv")
+    kr_p = shard.key_prefix(key_rope, "key_rope")
     cmp_p = None
     if cmp_kv is not None:
         if cmp_ratio < 2:
             raise ValueError(f"cmp_ratio: expected >= 2 with cmp_kv, got {cmp_ratio}")
-        ctotal, cused = _key_rows(shard, cmp_ratio)
-        cmp_p = _key_prefix(cmp_kv, shard, "cmp_kv", ctotal, cused)
-    if isinstance(shard, TNDShard) and query.shape[0] == 0:
+        cmp_p = shard.key_prefix(cmp_kv, "cmp_kv", cmp_ratio)
+    if shard.has_no_queries(query):
         # A rank with no query row: nothing to compute, but its gathered inputs stay in its
         # graph so that the gathers' backward collectives still run here.
         d = d_v if d_v is not None else kv.shape[-1]
         out = tie(query.new_zeros(query.shape[:-1] + (d,)), query, kv_p, cmp_p, sinks, query_rope, kr_p)
         empty = query.new_zeros(query.shape[:-1], dtype=torch.float32)
         return out, empty.fill_(float("-inf")), empty.clone().zero_()
-    outs = []
-    for sl, ql, kl in _calls(shard):
-        outs.append(dsa_sparse_attention(
-            _q(query, sl, shard), kv_p, _q(indices, sl, shard), scale=scale, d_v=d_v, window=window, cmp_kv=cmp_p,
-            cmp_indices=_q(cmp_indices, sl, shard), cmp_ratio=cmp_ratio, sinks=sinks,
-            query_rope=_q(query_rope, sl, shard), key_rope=kr_p, query_lengths=ql, key_lengths=kl,
-            layout=_layout(shard), backend=backend))
-    if len(outs) == 1:
-        return outs[0]
-    return tuple(torch.cat([o[i] for o in outs], 1) for i in range(3))
+    q = shard.query_part
+    return _outputs([dsa_sparse_attention(
+        q(query, c), kv_p, q(indices, c), scale=scale, d_v=d_v, window=window, cmp_kv=cmp_p,
+        cmp_indices=q(cmp_indices, c), cmp_ratio=cmp_ratio, sinks=sinks, query_rope=q(query_rope, c), key_rope=kr_p,
+        query_lengths=c.query_lengths, key_lengths=c.key_lengths, layout=shard.layout, backend=backend)
+        for c in shard.op_calls()], shard)
 
 
 def dense_indexer_lse(index_query, index_key, head_weights, *, shard: Shard, scale: float = 1.0,
                       cmp_ratio: int = 1, backend: str = "auto"):
     """``dsa_dense_indexer_lse`` under CP: local queries and weights, gathered ``index_key``."""
-    total, used = _key_rows(shard, cmp_ratio)
-    ik = _key_prefix(index_key, shard, "index_key", total, used)
-    outs = [dsa_dense_indexer_lse(_q(index_query, sl, shard), ik, _q(head_weights, sl, shard), scale=scale,
-                                  cmp_ratio=cmp_ratio, query_lengths=ql, key_lengths=kl, layout=_layout(shard),
-                                  backend=backend)
-            for sl, ql, kl in _calls(shard)]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-
-
-def _query_positions(shard: Shard, device) -> torch.Tensor:
-    """Position in its document (TND) or row (BSND, local ``[B, 2c]``) of every local query."""
-    if isinstance(shard, TNDShard):
-        return shard.positions(device)
-    return shard.local_index().to(device).unsqueeze(0).expand(len(shard.lengths), -1)
-
-
-def _query_valid(shard: Shard, device) -> torch.Tensor:
-    if isinstance(shard, TNDShard):
-        return torch.ones(shard.local_rows, dtype=torch.bool, device=device)
-    lens = torch.tensor(shard.lengths, device=device)[:, None]
-    return shard.local_index().to(device)[None, :] < lens
+    shard = check_shard(shard)
+    ik = shard.key_prefix(index_key, "index_key", cmp_ratio)
+    q = shard.query_part
+    return _outputs([dsa_dense_indexer_lse(q(index_query, c), ik, q(head_weights, c), scale=scale,
+                                           cmp_ratio=cmp_ratio, query_lengths=c.query_lengths,
+                                           key_lengths=c.key_lengths, layout=shard.layout, backend=backend)
+                     for c in shard.op_calls()], shard)
 
 
 def _share(loss_sum: torch.Tensor, n_local: int, shard: Shard, average_grads: bool) -> torch.Tensor:
@@ -335,25 +267,26 @@ def kl_loss(query, kv, indices, softmax_max, softmax_sum, index_query, index_key
     ``grads_averaged_over_cp=True`` (the share is multiplied by W). ``kv``/``key_rope`` are the
     gathered raw keys (the attention's teacher), ``index_key`` the gathered indexer keys (raw,
     or compressed with ``cmp_ratio > 1``; then ``kv`` is the gathered compressed KV). Collective."""
-    total, used = _key_rows(shard, cmp_ratio)
-    kv_p = _key_prefix(kv, shard, "kv", total, used)
-    kr_p = _key_prefix(key_rope, shard, "key_rope", total, used)
-    ik = _key_prefix(index_key, shard, "index_key", total, used)
+    shard = check_shard(shard)
+    kv_p = shard.key_prefix(kv, "kv", cmp_ratio)
+    kr_p = shard.key_prefix(key_rope, "key_rope", cmp_ratio)
+    ik = shard.key_prefix(index_key, "index_key", cmp_ratio)
+    q = shard.query_part
     loss = None
-    for sl, ql, kl in _calls(shard):
-        part = dsa_kl_loss(_q(query, sl, shard), kv_p, _q(indices, sl, shard), _q(softmax_max, sl, shard),
-                           _q(softmax_sum, sl, shard), _q(index_query, sl, shard), ik, _q(weights, sl, shard),
-                           scale=scale, index_scale=index_scale, sinks=sinks, cmp_ratio=cmp_ratio,
-                           query_rope=_q(query_rope, sl, shard), key_rope=kr_p, query_lengths=ql, key_lengths=kl,
-                           layout=_layout(shard), loss_coefficient=loss_coefficient, reduction="sum",
-                           backend=backend)
+    for c in shard.op_calls():
+        part = dsa_kl_loss(q(query, c), kv_p, q(indices, c), q(softmax_max, c), q(softmax_sum, c),
+                           q(index_query, c), ik, q(weights, c), scale=scale, index_scale=index_scale, sinks=sinks,
+                           cmp_ratio=cmp_ratio, query_rope=q(query_rope, c), key_rope=kr_p,
+                           query_lengths=c.query_lengths, key_lengths=c.key_lengths, layout=shard.layout,
+                           loss_coefficient=loss_coefficient, reduction="sum", backend=backend)
         loss = part if loss is None else loss + part
     # N_local: rows with at least one valid entry (spec 4.3): an index that is >= 0 and
     # visible (< pos+1 raw, < (pos+1)//m compressed; visible entries are always in range).
-    ix = indices.squeeze(-2) if indices.dim() == (3 if isinstance(shard, TNDShard) else 4) else indices
-    pos = _query_positions(shard, ix.device)
+    # indices: [tokens..., 1, topk] or [tokens..., topk].
+    ix = indices.squeeze(-2) if indices.dim() == shard.token_dims + 2 else indices
+    pos = shard.query_positions(ix.device)
     vis = pos + 1 if cmp_ratio == 1 else torch.div(pos + 1, cmp_ratio, rounding_mode="floor")
-    valid = ((ix >= 0) & (ix.long() < vis[..., None])).any(-1) & _query_valid(shard, ix.device)
+    valid = ((ix >= 0) & (ix.long() < vis[..., None])).any(-1) & shard.query_valid(ix.device)
     return _share(loss, int(valid.sum()), shard, grads_averaged_over_cp)
 
 
@@ -364,20 +297,20 @@ def dense_indexer_kl_loss(index_query, index_key, head_weights, query, key, soft
     """``dsa_dense_indexer_kl_loss`` under CP, returning this rank's share (see ``kl_loss``);
     N = query rows with a finite ``indexer_lse``. ``index_key``, ``key``, ``key_rope``:
     gathered. Collective."""
-    total, used = _key_rows(shard)
-    ik = _key_prefix(index_key, shard, "index_key", total, used)
-    k = _key_prefix(key, shard, "key", total, used)
-    kr = _key_prefix(key_rope, shard, "key_rope", total, used)
+    shard = check_shard(shard)
+    ik = shard.key_prefix(index_key, "index_key")
+    k = shard.key_prefix(key, "key")
+    kr = shard.key_prefix(key_rope, "key_rope")
+    q = shard.query_part
     loss = None
-    for sl, ql, kl in _calls(shard):
+    for c in shard.op_calls():
         part = dsa_dense_indexer_kl_loss(
-            _q(index_query, sl, shard), ik, _q(head_weights, sl, shard), _q(query, sl, shard), k,
-            _q(softmax_max, sl, shard), _q(softmax_sum, sl, shard), _q(indexer_lse, sl, shard), scale=scale,
-            index_scale=index_scale, query_rope=_q(query_rope, sl, shard), key_rope=kr, query_lengths=ql,
-            key_lengths=kl, layout=_layout(shard), loss_coefficient=loss_coefficient, reduction="sum",
-            backend=backend)
+            q(index_query, c), ik, q(head_weights, c), q(query, c), k, q(softmax_max, c), q(softmax_sum, c),
+            q(indexer_lse, c), scale=scale, index_scale=index_scale, query_rope=q(query_rope, c), key_rope=kr,
+            query_lengths=c.query_lengths, key_lengths=c.key_lengths, layout=shard.layout,
+            loss_coefficient=loss_coefficient, reduction="sum", backend=backend)
         loss = part if loss is None else loss + part
-    ok = torch.isfinite(indexer_lse) & _query_valid(shard, indexer_lse.device)
+    ok = torch.isfinite(indexer_lse) & shard.query_valid(indexer_lse.device)
     return _share(loss, int(ok.sum()), shard, grads_averaged_over_cp)
 
 

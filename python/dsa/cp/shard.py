@@ -1,4 +1,4 @@
-"""Shard metadata for context parallelism: pure integer math, no processes.
+"""Shards for context parallelism: which rows a rank holds and how the ops run on them.
 
 Notation (docs/context_parallel.md): W ranks; the packed stream of T tokens is split
 contiguously, rank r holding global rows ``[o_r, E_r)``; document i spans ``[s_i, e_i)``.
@@ -6,6 +6,12 @@ Every rank runs the normal ops on its local queries against the *prefix* ``[0, E
 the gathered key stream, keeping every document (empty segments allowed), so bottom-right
 alignment (docs/ops.md section 1) supplies the causal offset and the kernels need no CP
 knowledge.
+
+Both layouts answer one interface, ``Shard``: the op calls a rank makes (query slice and
+lengths), the query part and key prefix each call reads, the positions and validity of the
+local queries, and the rows of a global tensor. ``dsa.cp``'s op wrappers ask only that
+interface, so a new split (a ring, a head split) is a new ``Shard``, not a new branch in
+every wrapper. The metadata is integer math; only ``gather`` runs a collective.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["TNDShard", "ZigzagShard", "CompressorPlan"]
+__all__ = ["Shard", "OpCall", "TNDShard", "ZigzagShard", "CompressorPlan"]
 
 
 def _check_ends(doc_ends: Sequence[int], name: str = "doc_ends") -> tuple[int, ...]:
@@ -33,6 +39,82 @@ def _check_ends(doc_ends: Sequence[int], name: str = "doc_ends") -> tuple[int, .
             raise ValueError(f"{name}: cumulative ends must be non-decreasing and >= 0, got {ends}")
         prev = v
     return tuple(ends)
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One op call of a rank: its queries (``query_slice`` of the local sequence axis;
+    None: all of them) and the cumulative (TND) or per-row (BSND) query and key lengths."""
+    query_slice: Optional[slice]
+    query_lengths: list[int]
+    key_lengths: list[int]
+
+
+class Shard:
+    """What the CP op wrappers ask of a split (implemented by ``TNDShard`` and
+    ``ZigzagShard``). ``layout``: the ops' layout; ``seq_dim``: the sequence axis of a
+    token tensor; ``token_dims``: how many leading axes index a token (1 TND, 2 BSND)."""
+    layout: str
+    seq_dim: int
+    token_dims: int
+    rank: int
+    world_size: int
+    group: Optional[object]
+
+    def op_calls(self) -> list[OpCall]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement op_calls")
+
+    def key_rows(self, ratio: int = 1) -> tuple[int, int]:
+        """(rows of the gathered key tensor, rows of it this rank's calls read) for raw
+        keys (ratio 1) or compressed entries of the given ratio."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement key_rows")
+
+    def rows_of(self, x_global: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global tensor (for data loaders and tests)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement rows_of")
+
+    def gather(self, x_local: torch.Tensor) -> torch.Tensor:
+        """Differentiable all-gather of a key-side tensor into natural global order."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement gather")
+
+    def query_positions(self, device=None) -> torch.Tensor:
+        """Position in its document (TND) or row (BSND) of every local query."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement query_positions")
+
+    def query_valid(self, device=None) -> torch.Tensor:
+        """Which local query rows are tokens (not BSND padding)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement query_valid")
+
+    # -- shared by every layout, built on the above ------------------------------------------
+    def has_no_queries(self, query: torch.Tensor) -> bool:
+        """True where this rank holds no query token at all (the op calls would be empty)."""
+        return query.shape[self.seq_dim] == 0
+
+    def query_part(self, t: Optional[torch.Tensor], call: OpCall) -> Optional[torch.Tensor]:
+        """The queries of one call. A ``[:, chunk]`` slice of ``[B, 2c, ...]`` is not
+        batch-mergeable for B > 1, which the ops need: one copy of the chunk (its gradient
+        flows back through it)."""
+        if t is None or call.query_slice is None:
+            return t
+        return t[:, call.query_slice].contiguous() if self.seq_dim == 1 else t[call.query_slice]
+
+    def key_prefix(self, t: Optional[torch.Tensor], name: str, ratio: int = 1) -> Optional[torch.Tensor]:
+        """The part of a gathered key tensor this rank's calls read, after checking that it
+        is the gathered one (``rows_total`` along the sequence axis)."""
+        if t is None:
+            return None
+        total, used = self.key_rows(ratio)
+        if t.shape[self.seq_dim] != total:
+            raise ValueError(f"{name}: expected the gathered tensor ({total} rows along dim {self.seq_dim}), "
+                             f"got shape {list(t.shape)}; pass dsa.cp.gather(...) of the local rows")
+        return t.narrow(self.seq_dim, 0, used)
+
+
+def check_shard(shard) -> "Shard":
+    if not isinstance(shard, Shard):
+        raise ValueError(f"shard: expected a TNDShard or ZigzagShard (dsa.cp.tnd_shard / zigzag_shard), "
+                         f"got {type(shard).__name__}")
+    return shard
 
 
 @dataclass(frozen=True)
@@ -58,7 +140,7 @@ class CompressorPlan:
 
 
 @dataclass(frozen=True)
-class TNDShard:
+class TNDShard(Shard):
     """A contiguous split of a packed TND stream over ``world_size`` ranks.
 
     ``doc_ends``: the global cumulative document ends (spec form, no leading 0), identical
@@ -108,6 +190,32 @@ class TNDShard:
     @property
     def doc_starts(self) -> tuple[int, ...]:
         return (0,) + self.doc_ends[:-1]
+
+    # -- the Shard interface -----------------------------------------------------------------
+    layout = "TND"
+    seq_dim = 0
+    token_dims = 1
+
+    def op_calls(self) -> list[OpCall]:
+        return [OpCall(None, self.query_lengths, self.key_lengths)]
+
+    def key_rows(self, ratio: int = 1) -> tuple[int, int]:
+        if ratio == 1:
+            return self.total_rows, self.kv_rows
+        return self.cmp_total(ratio), self.cmp_rows(ratio)
+
+    def rows_of(self, x_global: torch.Tensor) -> torch.Tensor:
+        return x_global[self.row_start:self.row_end]
+
+    def gather(self, x_local: torch.Tensor) -> torch.Tensor:
+        from .comm import all_gather_rows
+        return all_gather_rows(x_local, self.local_counts, self.rank, self.group, 0)
+
+    def query_positions(self, device=None) -> torch.Tensor:
+        return self.positions(device)
+
+    def query_valid(self, device=None) -> torch.Tensor:
+        return torch.ones(self.local_rows, dtype=torch.bool, device=device)
 
     # -- lengths for the ops (keep-all-documents form) ------------------------------------
     @property
@@ -222,7 +330,7 @@ class ZigzagCall:
 
 
 @dataclass(frozen=True)
-class ZigzagShard:
+class ZigzagShard(Shard):
     """BSND zigzag split: the sequence axis (length S, ``S % 2W == 0``) is cut into 2W chunks
     of ``c = S / 2W``; rank r holds natural chunks r and 2W-1-r, in that order, as its local
     ``[B, 2c, ...]``. Gathered key tensors are put back in natural order, so both calls take
@@ -274,3 +382,40 @@ class ZigzagShard:
         """Natural sequence positions of the local rows (int64 ``[2c]``)."""
         c = self.chunk
         return torch.cat([torch.arange(k * c, (k + 1) * c) for k in self.chunks])
+
+    # -- the Shard interface -----------------------------------------------------------------
+    layout = "BSND"
+    seq_dim = 1
+    token_dims = 2
+
+    def op_calls(self) -> list[OpCall]:
+        return [OpCall(call.query_slice, call.query_lengths, call.key_lengths) for call in self.calls]
+
+    def key_rows(self, ratio: int = 1) -> tuple[int, int]:
+        # BSND keys may be longer than their valid length: the explicit key lengths bound them.
+        return self.seq_len // ratio, self.seq_len // ratio
+
+    def rows_of(self, x_global: torch.Tensor) -> torch.Tensor:
+        return x_global.index_select(1, self.local_index().to(x_global.device))
+
+    def gather(self, x_local: torch.Tensor) -> torch.Tensor:
+        from .comm import all_gather_rows
+        c = self.chunk
+        g = all_gather_rows(x_local, [2 * c] * self.world_size, self.rank, self.group, 1)
+        # Rank-major chunks -> natural order (index_select's backward scatters the gradient back).
+        order = self.gathered_order()
+        inverse = [0] * len(order)
+        for slot, k in enumerate(order):
+            inverse[k] = slot
+        idx = torch.cat([torch.arange(s * c, (s + 1) * c) for s in inverse]).to(x_local.device)
+        return g.index_select(1, idx)
+
+    def query_positions(self, device=None) -> torch.Tensor:
+        return self.local_index().to(device).unsqueeze(0).expand(len(self.lengths), -1)
+
+    def query_valid(self, device=None) -> torch.Tensor:
+        lens = torch.tensor(self.lengths, device=device)[:, None]
+        return self.local_index().to(device)[None, :] < lens
+
+    def has_no_queries(self, query: torch.Tensor) -> bool:
+        return False  # a zigzag rank always holds its two chunks (padding rows are computed)

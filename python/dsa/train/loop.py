@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -16,6 +15,7 @@ import torch
 from .._cli import check_writable
 from .data import Batches, stdlib_corpus
 from .model import build_model, layer_types, v4_config
+from .trainers import Trainer, make_trainer
 
 # What each configuration switches on (dsa.integrations.transformers.patch flags).
 CONFIGS = {
@@ -136,27 +136,6 @@ def _patch(model, spec: RunSpec, cp_group=None):
     return model
 
 
-_LAYER = re.compile(r"layers\.(\d+)\.")
-
-
-def _by_layer_type(values: dict, types: list[str]) -> dict[str, float]:
-    """{module name: value} -> {layer type: mean value} (None values left out)."""
-    by_type: dict[str, list[float]] = {}
-    for name, value in values.items():
-        m = _LAYER.search(name)
-        if m is None or value is None:
-            continue
-        by_type.setdefault(types[int(m.group(1))], []).append(float(value))
-    return {t: sum(v) / len(v) for t, v in by_type.items()}
-
-
-def _indexer_figures(model, types: list[str]) -> tuple[dict[str, float], dict[str, float]]:
-    """Per layer type: the mean indexer KL and recall@k of the last step."""
-    from ..integrations.transformers import indexer_losses, indexer_recall
-
-    return _by_layer_type(indexer_losses(model), types), _by_layer_type(indexer_recall(model), types)
-
-
 def run(spec: RunSpec) -> dict:
     """Trains `spec.steps` steps (continuing from `spec.resume`) and returns every figure."""
     if spec.config not in CONFIGS:
@@ -168,15 +147,14 @@ def run(spec: RunSpec) -> dict:
             check_writable(path, what, folder=True)
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    cp = _CP(spec) if spec.cp > 1 else None
+    trainer = make_trainer(spec)
     try:
-        return _run(spec, cp)
+        return _run(spec, trainer)
     finally:
-        if cp is not None:
-            cp.close()
+        trainer.close()
 
 
-def _run(spec: RunSpec, cp) -> dict:
+def _run(spec: RunSpec, trainer: Trainer) -> dict:
     dtype = DTYPES[spec.dtype]
     corpus = stdlib_corpus()
     batches = Batches(corpus, spec.seq_len, spec.batch, spec.seed)
@@ -187,7 +165,7 @@ def _run(spec: RunSpec, cp) -> dict:
         config = v4_config(spec.layers, spec.hidden, spec.heads, spec.head_dim, spec.seq_len, spec.index_topk, dtype)
         model = build_model(config, spec.seed, dtype)
         optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    patched = _patch(model, spec, cp.group if cp is not None else None)
+    patched = _patch(model, spec, trainer.cp_group)
     if spec.gradient_checkpointing:
         # Each decoder layer keeps only its input and recomputes the rest in the
         # backward (dsa's ops are deterministic, so the recompute is the same bits;
@@ -198,7 +176,7 @@ def _run(spec: RunSpec, cp) -> dict:
     rss_start = _rss_gib("VmRSS")
     records: list[StepRecord] = []
     bar = None
-    if spec.progress and (cp is None or cp.rank == 0):
+    if spec.progress and trainer.is_main:
         from tqdm import tqdm
 
         bar = tqdm(total=spec.steps, desc=f"train {spec.config}", unit="step", dynamic_ncols=True, leave=False)
@@ -206,22 +184,12 @@ def _run(spec: RunSpec, cp) -> dict:
         for step in range(start_step, start_step + spec.steps):
             ids = batches.next()
             t0 = time.perf_counter()
-            if cp is None:
-                out = model(input_ids=ids, labels=ids, use_cache=False)
-                loss = out.loss
-                if not torch.isfinite(loss):
-                    raise RuntimeError(f"step {step}: the loss is {loss.item()} (diverged)")
-                loss.backward()
-            else:
-                loss = cp.forward_backward(model, ids)
+            loss = trainer.forward_backward(model, ids, step)
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             seconds = time.perf_counter() - t0
-            if cp is not None:
-                kl, recall = cp.indexer_figures(model, types)
-            else:
-                kl, recall = _indexer_figures(model, types) if patched is not None else ({}, {})
+            kl, recall = trainer.indexer_figures(model, types) if patched is not None else ({}, {})
             rec = StepRecord(step=step, loss=float(loss.item()), seconds=seconds,
                              tokens_per_s=ids.numel() / seconds, layer_seconds=timer.take(), indexer_kl=kl,
                              indexer_recall=recall)
@@ -233,115 +201,14 @@ def _run(spec: RunSpec, cp) -> dict:
         if bar is not None:
             bar.close()
         timer.remove()
-    breakdown = op_breakdown(model, ids) if cp is None and records else None
-    if spec.save and (cp is None or cp.rank == 0):  # under CP every rank holds the same model
+    breakdown = op_breakdown(model, ids) if trainer.profiles and records else None
+    if spec.save and trainer.is_main:  # under CP every rank holds the same model
         _save(spec.save, model, optimizer, batches, start_step + spec.steps)
     result = summarise(spec, types, records, rss_start, _rss_gib("VmHWM"))
     if breakdown is not None:
         result["time_breakdown"] = breakdown
-    if cp is not None:
-        result["cp"] = cp.per_rank(result)
+    trainer.annotate(result)
     return result
-
-
-class _CP:
-    """dsa-train --cp W: one process per rank (torchrun's environment), gloo. Every rank
-    draws the same batch; its rows are packed into one stream (a row is a document) and
-    rank r trains on its contiguous run. The loss shares and the replicated parameters'
-    gradients are summed over the ranks, so every rank takes the single-process step."""
-
-    def __init__(self, spec: RunSpec):
-        import datetime
-
-        import torch.distributed as dist
-
-        self.dist = dist
-        if not dist.is_initialized():
-            # torchrun's MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE; a bounded wait, so a
-            # rank that died does not leave the others waiting forever.
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
-        self.group = dist.group.WORLD
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        if self.world != spec.cp:
-            raise ValueError(f"--cp: {spec.cp} ranks asked for, the process group has {self.world}")
-        tokens = spec.seq_len * spec.batch
-        if tokens < self.world:
-            raise ValueError(f"--cp: {self.world} ranks need at least one token each; a batch has {tokens}")
-        # An even contiguous split (the first `tokens % W` ranks take one more row).
-        base, extra = divmod(tokens, self.world)
-        self.offsets = [0]
-        for q in range(self.world):
-            self.offsets.append(self.offsets[-1] + base + (q < extra))
-        self.shard = None
-
-    def forward_backward(self, model, ids: torch.Tensor) -> torch.Tensor:
-        """One step's forward and backward on this rank's run; returns the global loss."""
-        from ..cp import loss_for_logging
-        from ..integrations.transformers import cp_batch
-
-        batch, seq = ids.shape
-        flat = ids.reshape(-1)
-        ends = [seq * (b + 1) for b in range(batch)]
-        # The unpacked rows' targets: no row's last token predicts the next row's first.
-        labels = flat.clone()
-        labels[ends[:-1]] = -100
-        o, e = self.offsets[self.rank], self.offsets[self.rank + 1]
-        kw = cp_batch(model, flat[o:e], ends, labels=labels[o:e])
-        self.shard = kw["dsa_cp_shard"]
-        share = model(**kw).loss
-        share.backward()
-        loss = loss_for_logging(share, self.shard)
-        if not torch.isfinite(loss):
-            raise RuntimeError(f"the loss is {loss.item()} (diverged)")
-        self._sum_grads(model)
-        return loss
-
-    def _sum_grads(self, model) -> None:
-        """Sums every parameter's gradient over the ranks (one fp32 all-reduce). A parameter
-        no rank's rows reached (an expert no token picked) keeps grad None, as in a
-        single process: AdamW skips it instead of decaying it."""
-        params = list(model.parameters())
-        present = torch.tensor([p.grad is not None for p in params], dtype=torch.int64)
-        self.dist.all_reduce(present, group=self.group)
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                          for p in params])
-        self.dist.all_reduce(flat, group=self.group)
-        at = 0
-        for p, seen in zip(params, present.tolist()):
-            n = p.numel()
-            p.grad = flat[at:at + n].view_as(p).to(p.dtype) if seen else None
-            at += n
-
-    def indexer_figures(self, model, types):
-        """Per layer type: the indexer KL (the sum of the ranks' shares) and recall@k (the
-        mean of the ranks' values, each over its own rows)."""
-        from ..integrations.transformers import indexer_losses, indexer_recall
-
-        losses = dict(sorted(indexer_losses(model).items()))
-        recall = dict(sorted(indexer_recall(model).items()))
-        # Same layers on every rank (the decisions behind them are global); a rank whose rows
-        # see no more than k entries has recall None and is left out of that layer's mean.
-        t = torch.tensor([float(v) for v in losses.values()] + [float(v or 0.0) for v in recall.values()]
-                         + [float(v is not None) for v in recall.values()], dtype=torch.float64)
-        self.dist.all_reduce(t, group=self.group)
-        n_kl, n_rec = len(losses), len(recall)
-        kl = dict(zip(losses, t[:n_kl].tolist()))
-        sums, counts = t[n_kl:n_kl + n_rec].tolist(), t[n_kl + n_rec:].tolist()
-        rec = {k: v / c for k, v, c in zip(recall, sums, counts) if c > 0}
-        return _by_layer_type(kl, types), _by_layer_type(rec, types)
-
-    def per_rank(self, result: dict) -> dict:
-        """Every rank's rows, steady-state step time and peak RSS (VmHWM), gathered on every rank."""
-        mine = {"rank": self.rank, "rows": self.offsets[self.rank + 1] - self.offsets[self.rank],
-                "step_seconds_median": result["step_seconds"]["median"],
-                "peak_rss_gib": result["memory_gib"]["peak_rss"]}
-        ranks = [None] * self.world
-        self.dist.all_gather_object(ranks, mine, group=self.group)
-        return {"world_size": self.world, "backend": "gloo", "offsets": self.offsets, "ranks": ranks}
-
-    def close(self) -> None:
-        if self.dist.is_initialized():
-            self.dist.destroy_process_group()
 
 
 def _release_memory() -> None:

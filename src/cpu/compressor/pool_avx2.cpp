@@ -1,4 +1,4 @@
-// AVX2 + FMA pooling kernels: the kernels of pool_simd.inc over an 8-lane ymm
+// AVX2 + FMA pooling kernels: the kernels of pool_simd.h over an 8-lane ymm
 // layer, for CPUs without AVX-512 (Zen 2/3, Haswell to Comet Lake). The
 // layer's differences from the AVX-512 one:
 // - no k-masks: whole vectors (WholeLane: every group but a row's last) take
@@ -244,4 +244,4 @@ inline __m256 safe_reciprocal(__m256 sum) {
 }  // namespace
 }  // namespace dsa::cpu::compressor_kernels
 
-#include "cpu/compressor/pool_simd.inc"
+#include "cpu/compressor/pool_simd.h"

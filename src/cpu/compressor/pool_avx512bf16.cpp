@@ -4,4 +4,4 @@
 #define DSA_POOL_NATIVE_BF16 1
 #define DSA_POOL_KERNEL_FUNCTION avx512_bf16_kernel
 #define DSA_POOL_KERNEL_NAME "avx512-bf16"
-#include "cpu/compressor/pool_avx512.inc"
+#include "cpu/compressor/pool_avx512.h"

@@ -1,5 +1,5 @@
 // AMX-BF16 score kernel of the fused indexer (bf16 inputs): the algorithm of
-// score_pairs.inc with its products on AMX tiles.
+// score_pairs.h with its products on AMX tiles.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -11,7 +11,7 @@ namespace {
 
 using amx::configure_tiles;
 
-// The product contract of score_pairs.inc ("Products"): C tiles 0-3 over the
+// The product contract of score_pairs.h ("Products"): C tiles 0-3 over the
 // chunks, A tiles 4-5, B tiles 6-7.
 inline void score_block(const std::uint16_t* a0, const std::uint16_t* a1, int q_stride, const std::uint32_t* b,
                         std::int64_t b_chunk, std::int64_t chunks, bool pair, float* cbuf) {
@@ -45,4 +45,4 @@ inline void score_block(const std::uint16_t* a0, const std::uint16_t* a1, int q_
 
 #define DSA_SCORE_KERNEL_NAME amx_kernel
 #define DSA_SCORE_KERNEL_LABEL "amx"
-#include "cpu/indexer/score_pairs.inc"
+#include "cpu/indexer/score_pairs.h"

@@ -1,5 +1,5 @@
 // AVX-512-BF16 score kernel of the fused indexer (bf16 inputs) for CPUs
-// without AMX: the algorithm of score_pairs.inc with its products on the
+// without AMX: the algorithm of score_pairs.h with its products on the
 // vdpbf16ps engine, reading the operands packed for AMX tiles.
 #include <cstdint>
 
@@ -10,7 +10,7 @@ namespace {
 
 void configure_tiles() {}  // no tile state
 
-// The product contract of score_pairs.inc ("Products"): per 16-head group, a
+// The product contract of score_pairs.h ("Products"): per 16-head group, a
 // [16 heads] x [2 key groups] product whose groups are the tiles 256 floats apart.
 inline void score_block(const std::uint16_t* a0, const std::uint16_t* a1, int q_stride, const std::uint32_t* b,
                         std::int64_t b_chunk, std::int64_t chunks, bool pair, float* cbuf) {
@@ -29,4 +29,4 @@ inline void score_block(const std::uint16_t* a0, const std::uint16_t* a1, int q_
 
 #define DSA_SCORE_KERNEL_NAME avx512_bf16_kernel
 #define DSA_SCORE_KERNEL_LABEL "avx512_bf16"
-#include "cpu/indexer/score_pairs.inc"
+#include "cpu/indexer/score_pairs.h"

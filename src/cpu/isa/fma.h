@@ -1,7 +1,7 @@
 // fp32 FMA building blocks for the AVX2 and AVX-512 kernels: one vector type
 // and its operations for the ISA the including file is compiled for (8-lane
 // ymm under -mavx2, 16-lane zmm under -mavx512f), and a register-blocked GEMM
-// on it. Include only from *_avx2.cpp / *_avx512.cpp files (or .inc files
+// on it. Include only from *_avx2.cpp / *_avx512.cpp files (or the kernel headers
 // they include).
 //
 // Everything here has internal linkage: the same names are compiled for

@@ -1,8 +1,8 @@
 // AMX-BF16 kernels of the sparse KL loss (bf16 inputs): the algorithm of
-// kl_sparse_pairs.inc with its products on AMX tiles.
+// kl_sparse_pairs.h with its products on AMX tiles.
 #define DSA_KL_SPARSE_KERNELS amx_sparse_kernels
 #define DSA_KL_LABEL "amx"
-#include "cpu/kl_loss/kl_sparse_pairs.inc"
+#include "cpu/kl_loss/kl_sparse_pairs.h"
 
 #include "cpu/isa/amx.h"
 

@@ -3,4 +3,5 @@
 #define DSA_KL_DENSE_KERNELS avx512_dense_kernels
 #define DSA_KL_LABEL "avx512"
 #define DSA_KL_ROW_BLOCK 8
-#include "cpu/kl_loss/kl_generic.inc"
+#include "cpu/kl_loss/kl_generic_sparse.h"
+#include "cpu/kl_loss/kl_generic_dense.h"

@@ -1,9 +1,9 @@
 // AVX-512-BF16 kernels of the sparse KL loss (bf16 inputs) for CPUs without
-// AMX: the algorithm of kl_sparse_pairs.inc with its products on the vdpbf16ps
+// AMX: the algorithm of kl_sparse_pairs.h with its products on the vdpbf16ps
 // engine, reading the operands packed for AMX tiles.
 #define DSA_KL_SPARSE_KERNELS avx512_bf16_sparse_kernels
 #define DSA_KL_LABEL "avx512_bf16"
-#include "cpu/kl_loss/kl_sparse_pairs.inc"
+#include "cpu/kl_loss/kl_sparse_pairs.h"
 
 #include "cpu/isa/avx512bf16_gemm.h"
 

@@ -1,7 +1,7 @@
 // Fused CPU KL losses (docs/ops.md 4.3, 4.4): the kernel tables kl_loss.cpp
 // selects from (cpu/select.h).
-// - generic (kl_generic.inc, compiled per ISA: portable, AVX2, AVX-512): every problem;
-// - on bf16 pairs (sparse: kl_sparse_pairs.inc, dense: kl_dense_pairs.inc), one
+// - generic (kl_generic_{common,sparse,dense}.h, compiled per ISA: portable, AVX2, AVX-512): every problem;
+// - on bf16 pairs (sparse: kl_sparse_pairs.h, dense: kl_dense_pairs.h), one
 //   set per product engine: AMX tiles and AVX-512-BF16 vdpbf16ps. They take bf16
 //   inputs with head counts and dims the tile shapes divide (the *_supported
 //   predicates below, the same for both engines).

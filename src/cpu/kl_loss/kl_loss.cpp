@@ -74,7 +74,7 @@ void dense_indexer_lse(const DenseLseProblem& p) {
     std::vector<float> weights, tile;
   };
   // No buffers without tasks: with no query rows Hi and Di are bounded by no
-  // memory (as in kl_generic.inc's sparse_fwd).
+  // memory (as in kl_generic_sparse.h's sparse_fwd).
   std::vector<Scratch> scratch(tasks.empty() ? 0 : threads);
   for (auto& s : scratch) {
     s.packed.resize(kernel.packed_query_bytes(iq.heads, iq.dim) + 64);

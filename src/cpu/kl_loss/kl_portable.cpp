@@ -3,4 +3,5 @@
 #define DSA_KL_DENSE_KERNELS portable_dense_kernels
 #define DSA_KL_LABEL "portable"
 #define DSA_KL_ROW_BLOCK 4
-#include "cpu/kl_loss/kl_generic.inc"
+#include "cpu/kl_loss/kl_generic_sparse.h"
+#include "cpu/kl_loss/kl_generic_dense.h"

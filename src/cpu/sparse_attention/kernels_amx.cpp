@@ -1,5 +1,5 @@
 // AMX-BF16 attention kernels (bf16 inputs): the pair-layout algorithm of
-// kernels_pairs.inc with every product on AMX tiles.
+// kernels_pairs.h with every product on AMX tiles.
 #include <immintrin.h>
 
 #include <cstdint>
@@ -80,4 +80,4 @@ void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m
 
 #define DSA_PAIR_KERNEL_NAME amx_kernel
 #define DSA_PAIR_KERNEL_LABEL "amx"
-#include "cpu/sparse_attention/kernels_pairs.inc"
+#include "cpu/sparse_attention/kernels_pairs.h"

@@ -1,6 +1,6 @@
 // AVX-512-BF16 attention kernels (bf16 inputs) for CPUs without AMX (Zen 4,
 // Zen 5, Cooper Lake) and for AMX CPUs under DSA_ISA=avx512_bf16: the
-// pair-layout algorithm of kernels_pairs.inc with every product on the
+// pair-layout algorithm of kernels_pairs.h with every product on the
 // vdpbf16ps engine (cpu/isa/avx512bf16_gemm.h), which reads the operands in
 // the layouts packed for AMX tiles.
 #include <cstdint>
@@ -17,7 +17,7 @@ void configure_tiles() {}  // no tile state
 // the dkv pass take 1.3-1.45x as long as pooling the listed entries.
 constexpr std::int64_t kDenseSubBlockPercent = 100;
 
-// The product contract of kernels_pairs.inc ("Products") in the engine's terms:
+// The product contract of kernels_pairs.h ("Products") in the engine's terms:
 // tile (mt, ng) of C at c + mt*16*c_stride + ng*16 is rows mt*16.. of groups of 16.
 void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m_tiles, std::int64_t n_groups,
                 const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
@@ -34,4 +34,4 @@ void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m
 
 #define DSA_PAIR_KERNEL_NAME avx512_bf16_kernel
 #define DSA_PAIR_KERNEL_LABEL "avx512_bf16"
-#include "cpu/sparse_attention/kernels_pairs.inc"
+#include "cpu/sparse_attention/kernels_pairs.h"

@@ -4,11 +4,44 @@ The layer code (``_v32.py``, ``_v4.py``) is written once against this interface:
 ``keys`` turns a key-side tensor (flat, this call's rows) into what the ops read,
 and every op call gets its lengths from here. :class:`Local` runs the ops on the
 call's own rows with the geometry's lengths; ``_cp.CPOps`` gathers the key side over
-the CP group and calls the ``dsa.cp`` wrappers with the shard."""
+the CP group and calls the ``dsa.cp`` wrappers with the shard. ``layer_ops`` is the one
+place a call is routed to either, or to the model's own forward."""
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 from ... import (dsa_compressor, dsa_dense_indexer_kl_loss, dsa_dense_indexer_lse, dsa_indexer, dsa_kl_loss,
                  dsa_sparse_attention)
+from . import _cp, _geometry
+
+
+def layer_ops(module, hidden_states, attention_mask, position_ids, past_key_values, kwargs, *,
+              window: Optional[int], reason: Callable[[], Optional[str]],
+              geometry_reason: Optional[Callable] = None, cp_refusal: Optional[str] = None,
+              past: Callable[[], int] = lambda: 0):
+    """The ops an attention call runs on: ``_cp.CPOps`` when the call carries a CP shard,
+    :class:`Local` when dsa computes it exactly, None when the model's own forward must run
+    it (counted and warned as a fallback here; the caller runs the original).
+
+    ``reason()``: why this model's layer cannot take the call (checked before the mask is
+    analysed); ``geometry_reason(geom)``: why it cannot take the analysed geometry;
+    ``cp_refusal``: why the layer cannot run under CP, where there is no fallback (raised);
+    ``past()``: keys already cached before this call."""
+    st = module._dsa_state
+    batch, seq = hidden_states.shape[:2]
+    shard = _cp.call_shard(module, st, kwargs, past_key_values, attention_mask, position_ids, batch, seq, window)
+    if shard is not None:
+        if cp_refusal:
+            raise _cp.PatchFallbackError(f"dsa patch under context parallelism: {cp_refusal}")
+        return _cp.CPOps(shard, st.options.backend, st.cp_grads_averaged)
+    why = reason()
+    if why is None:
+        geom = _geometry.cached_analyse(st, attention_mask, position_ids, kwargs, batch, seq, past(), window)
+        why = geom if isinstance(geom, str) else (geometry_reason(geom) if geometry_reason else None)
+    if why is not None:
+        st.fallback(why)
+        return None
+    return Local(geom, st.options.backend)
 
 
 class Local:

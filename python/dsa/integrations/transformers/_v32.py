@@ -112,30 +112,23 @@ def attention_forward(self, hidden_states, position_embeddings, attention_mask, 
     st = self._dsa_state
     opts = st.options
     batch, seq = hidden_states.shape[:2]
-    shard = _cp.call_shard(self, st, kwargs, past_key_values, attention_mask, position_ids, batch, seq, None)
-    if shard is not None:  # context parallel (patch() checked the flags: sas and li)
-        if _absorb_reason(self.kv_b_proj):
-            raise _cp.PatchFallbackError(f"dsa patch under context parallelism: {_absorb_reason(self.kv_b_proj)}")
-        ops = _cp.CPOps(shard, opts.backend, st.cp_grads_averaged)
-    else:
-        reason = (call_reason(self, kwargs) or _absorb_reason(self.kv_b_proj)
-                  or cache_layer_reason(past_key_values, self.layer_idx, _CACHE_LAYERS, allow_tokens=True))
-        geom = None
-        if reason is None:
-            past = past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0
-            geom = _geometry.cached_analyse(st, attention_mask, position_ids, kwargs, batch, seq, past, None)
-            if isinstance(geom, str):
-                reason = geom
-            elif (geom.layout == "TND" and past_key_values is not None and not opts.li
-                  and opts.indexer_loss != "dense"):
-                # With a cache the model builds a plain causal mask for packed rows, and its own
-                # indexer then spends picks on other documents.
-                reason = "packed rows with a cache and the model's own indexer (li=False)"
-        if reason is not None:
-            st.fallback(reason)
-            return run_original(self, hidden_states, position_embeddings, attention_mask, past_key_values,
-                             position_ids, **kwargs)
-        ops = _ops.Local(geom, opts.backend)
+
+    def packed_with_model_indexer(geom):
+        if geom.layout == "TND" and past_key_values is not None and not opts.li and opts.indexer_loss != "dense":
+            # With a cache the model builds a plain causal mask for packed rows, and its own
+            # indexer then spends picks on other documents.
+            return "packed rows with a cache and the model's own indexer (li=False)"
+        return None
+
+    ops = _ops.layer_ops(
+        self, hidden_states, attention_mask, position_ids, past_key_values, kwargs, window=None,
+        reason=lambda: (call_reason(self, kwargs) or _absorb_reason(self.kv_b_proj)
+                        or cache_layer_reason(past_key_values, self.layer_idx, _CACHE_LAYERS, allow_tokens=True)),
+        geometry_reason=packed_with_model_indexer, cp_refusal=_absorb_reason(self.kv_b_proj),
+        past=lambda: past_key_values.get_seq_length(self.layer_idx) if past_key_values is not None else 0)
+    if ops is None:
+        return run_original(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                            position_ids, **kwargs)
     geom = ops.geom
 
     q_resid, q_pass, q_rot, k_pass, k_rot = _projections(self, hidden_states, position_embeddings)

@@ -124,27 +124,20 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
     opts = st.options
     batch, seq = hidden_states.shape[:2]
     comp = self.compressor
-    shard = _cp.call_shard(self, st, kwargs, past_key_values, attention_mask, position_ids, batch, seq,
-                           self.sliding_window)
-    if shard is not None:  # context parallel (patch() checked the flags: sas, li, compressor)
-        ops = _cp.CPOps(shard, opts.backend, st.cp_grads_averaged)
-    else:
-        reason = call_reason(self, kwargs) or cache_layer_reason(past_key_values, self.layer_idx,
-                                                                 _ATTENTION_CACHE_LAYERS)
-        geom = None
-        if reason is None:
-            geom = _geometry.cached_analyse(st, attention_mask, position_ids, kwargs, batch, seq, 0,
-                                            self.sliding_window)
-            if isinstance(geom, str):
-                reason = geom
-        if reason is None and comp is not None:
-            if geom.layout == "TND" and not (opts.compressor and (opts.li or not _is_csa(comp))):
-                reason = "packed rows on a compressed layer without compressor=True (and li=True on CSA layers)"
-        if reason is not None:
-            st.fallback(reason)
-            return run_original(self, hidden_states, position_embeddings, position_ids, attention_mask,
-                             past_key_values, **kwargs)
-        ops = _ops.Local(geom, opts.backend)
+
+    def compressed_layer_reason(geom):
+        if comp is not None and geom.layout == "TND" and not (opts.compressor and (opts.li or not _is_csa(comp))):
+            return "packed rows on a compressed layer without compressor=True (and li=True on CSA layers)"
+        return None
+
+    ops = _ops.layer_ops(
+        self, hidden_states, attention_mask, position_ids, past_key_values, kwargs, window=self.sliding_window,
+        reason=lambda: (call_reason(self, kwargs)
+                        or cache_layer_reason(past_key_values, self.layer_idx, _ATTENTION_CACHE_LAYERS)),
+        geometry_reason=compressed_layer_reason)
+    if ops is None:
+        return run_original(self, hidden_states, position_embeddings, position_ids, attention_mask,
+                            past_key_values, **kwargs)
     geom = ops.geom
     compress = lambda module, h: _compress(module, h, ops, opts.compressor)  # noqa: E731
 

@@ -1,5 +1,5 @@
 // The vector pooling kernels, written once over a small vector layer and
-// compiled per ISA: pool_avx512.inc (16-lane zmm with k-masks, included by
+// compiled per ISA: pool_avx512.h (16-lane zmm with k-masks, included by
 // pool_avx512.cpp and pool_avx512bf16.cpp) and pool_avx2.cpp (8-lane ymm).
 // fp32 arithmetic: few slots in registers, many slots row by row (forward and
 // backward from statistics) or in 32- or 64-channel strips with register

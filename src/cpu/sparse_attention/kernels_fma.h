@@ -3,7 +3,7 @@
 // Included by kernels_avx2.cpp (8-lane ymm) and kernels_avx512.cpp (16-lane
 // zmm), which name the kernel through DSA_FMA_KERNEL_NAME / _LABEL.
 //
-// The structure is the pair kernels' (kernels_pairs.inc) with fp32 operands:
+// The structure is the pair kernels' (kernels_pairs.h) with fp32 operands:
 // every gathered key block is converted to fp32 once and shared by all heads,
 // the query row is packed once per row, and each product is one call of a
 // register-blocked GEMM, C (+)= A . B, whose A elements are broadcast (any row

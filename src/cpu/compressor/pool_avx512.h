@@ -1,4 +1,4 @@
-// The AVX-512 vector layer of the pooling kernels (pool_simd.inc): 16 channels
+// The AVX-512 vector layer of the pooling kernels (pool_simd.h): 16 channels
 // per vector, k-masks for the masked heads and tails.
 // Included by pool_avx512.cpp and, with AVX512-BF16 conversions, pool_avx512bf16.cpp.
 // GCC 12 flags the self-initialised `_mm512_undefined_*` inside its own
@@ -180,4 +180,4 @@ inline __m512 safe_reciprocal(__m512 sum) {
 }  // namespace
 }  // namespace dsa::cpu::compressor_kernels
 
-#include "cpu/compressor/pool_simd.inc"
+#include "cpu/compressor/pool_simd.h"
