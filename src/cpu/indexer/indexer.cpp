@@ -12,7 +12,7 @@
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/indexer/row_topk.h"
-#include "cpu/indexer/score_kernels.h"
+#include "cpu/score/score_kernels.h"
 #include "cpu/select.h"
 #include "ops/indexer.h"
 
@@ -20,29 +20,11 @@ namespace dsa::cpu {
 
 namespace {
 
-bool is_bf16(const DType& dtype) { return dtype == DType::bf16; }
-
-// Candidates, best first (cpu/select.h): the bf16 pair kernels take bf16 only.
-constexpr Candidate<indexer_kernels::ScoreKernel, DType> kScoreKernels[] = {
-    {core::Isa::amx, indexer_kernels::amx_kernel, is_bf16},
-    {core::Isa::avx512_bf16, indexer_kernels::avx512_bf16_kernel, is_bf16},
-    {core::Isa::avx512, indexer_kernels::avx512_kernel},
-    {core::Isa::avx2, indexer_kernels::avx2_kernel},
-    {core::Isa::portable, indexer_kernels::portable_kernel},
-};
-
 constexpr Candidate<indexer_kernels::CandidateFilter, DType> kCandidateFilters[] = {
     {core::Isa::avx512, indexer_kernels::avx512_filter},
     {core::Isa::portable, indexer_kernels::portable_filter},
 };
 
-}  // namespace
-
-const indexer_kernels::ScoreKernel& indexer_kernels::pick_score_kernel(DType dtype) {
-  return select_kernel(kScoreKernels, dtype);
-}
-
-namespace {
 
 using namespace indexer_kernels;
 

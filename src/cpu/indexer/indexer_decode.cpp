@@ -24,7 +24,7 @@
 #include "core/thread_pool.h"
 #include "cpu/indexer/row_topk.h"
 #include "cpu/paged_cache/dequant.h"
-#include "cpu/indexer/score_kernels.h"
+#include "cpu/score/score_kernels.h"
 #include "cpu/select.h"
 #include "ops/indexer_decode.h"
 

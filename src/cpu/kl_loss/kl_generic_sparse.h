@@ -1,7 +1,8 @@
 // The generic sparse KL kernels (spec 4.3): see kl_generic_common.h for who includes them.
 #pragma once
 
-#include "cpu/kl_loss/kl_generic_common.h"
+#include "cpu/isa/kl_generic_common.h"
+#include "cpu/kl_loss/kl_kernels.h"
 
 namespace dsa::cpu::kl_kernels {
 namespace {

@@ -1,13 +1,5 @@
-// Fused CPU KL losses: ISA dispatch. dense_indexer_lse reuses the indexer's
-// score microkernels (AMX or AVX-512-BF16 for bf16) with an online log-sum-exp per row.
-#include <algorithm>
-#include <cmath>
-#include <vector>
-
-#include "core/memory.h"
-#include "core/numeric.h"
-#include "core/thread_pool.h"
-#include "cpu/indexer/score_kernels.h"
+// Fused CPU sparse KL loss (spec 4.3): kernel selection. The dense indexer's
+// log-sum-exp and KL are cpu/dense_indexer/.
 #include "cpu/kl_loss/kl_kernels.h"
 #include "cpu/select.h"
 
@@ -18,9 +10,8 @@ using namespace kl_kernels;
 using core::Isa;
 
 // Candidates, best first (cpu/select.h): for bf16 the pair kernels with AMX
-// tiles (kl_amx.cpp, kl_dense_amx.cpp) or the same kernels on vdpbf16ps
-// (kl_avx512bf16.cpp, kl_dense_avx512bf16.cpp), for the problems their tiles
-// take; otherwise the generic ones.
+// tiles (kl_amx.cpp) or the same kernels on vdpbf16ps (kl_avx512bf16.cpp), for
+// the problems their tiles take; otherwise the generic ones.
 constexpr Candidate<SparseKlKernels, SparseKlProblem> kSparseFwd[] = {
     {Isa::amx, amx_sparse_kernels, pair_sparse_fwd_supported},
     {Isa::avx512_bf16, avx512_bf16_sparse_kernels, pair_sparse_fwd_supported},
@@ -35,103 +26,10 @@ constexpr Candidate<SparseKlKernels, SparseKlBackwardProblem> kSparseBwd[] = {
     {Isa::avx2, avx2_sparse_kernels},
     {Isa::portable, portable_sparse_kernels},
 };
-constexpr Candidate<DenseKlKernels, DenseKlProblem> kDense[] = {
-    {Isa::amx, amx_dense_kernels, pair_dense_supported},
-    {Isa::avx512_bf16, avx512_bf16_dense_kernels, pair_dense_supported},
-    {Isa::avx512, avx512_dense_kernels},
-    {Isa::avx2, avx2_dense_kernels},
-    {Isa::portable, portable_dense_kernels},
-};
 
 }  // namespace
 
 void kl_loss_fwd(const SparseKlProblem& p) { select_kernel(kSparseFwd, p).fwd(p); }
 void kl_loss_bwd(const SparseKlBackwardProblem& p) { select_kernel(kSparseBwd, p).bwd(p); }
-void dense_indexer_kl_loss_fwd(const DenseKlProblem& p) { select_kernel(kDense, p).fwd(p); }
-void dense_indexer_kl_loss_bwd(const DenseKlProblem& p) { select_kernel(kDense, p).bwd(p); }
-
-void dense_indexer_lse(const DenseLseProblem& p) {
-  using namespace indexer_kernels;
-  const ScoreKernel& kernel = pick_score_kernel(p.index_query.dtype);
-  std::fill(p.lse, p.lse + p.plan.q_rows, core::kPosInf);
-  struct Task {
-    std::int64_t seq, first, tokens, cost;
-  };
-  std::vector<Task> tasks;
-  for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
-    const auto& seq = p.plan.seqs[b];
-    for (std::int64_t first = 0; first < seq.q_len; first += kQueryBlock) {
-      const std::int64_t tokens = std::min(kQueryBlock, seq.q_len - first);
-      const std::int64_t visible = visible_compressed(seq.position(first + tokens - 1), p.ratio);
-      tasks.push_back({b, first, tokens, tokens * (visible + 1)});
-    }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  const int threads = std::max(1, std::min<int>(p.num_threads, static_cast<int>(tasks.size())));
-  const HeadMatrix& iq = p.index_query;
-  struct Scratch {
-    core::ScratchVector<std::uint8_t> packed, key_scratch;  // dsa's allocator: failures name the size
-    std::vector<float> weights, tile;
-  };
-  // No buffers without tasks: with no query rows Hi and Di are bounded by no
-  // memory (as in kl_generic_sparse.h's sparse_fwd).
-  std::vector<Scratch> scratch(tasks.empty() ? 0 : threads);
-  for (auto& s : scratch) {
-    s.packed.resize(kernel.packed_query_bytes(iq.heads, iq.dim) + 64);
-    s.key_scratch.resize(kernel.key_scratch_bytes(iq.dim) + 64);
-    s.weights.resize(kQueryBlock * iq.heads);
-    s.tile.resize(kQueryBlock * kKeyTile);
-  }
-  auto aligned = [](core::ScratchVector<std::uint8_t>& v) {
-    return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t(63));
-  };
-  core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t task_index, int thread) {
-    const Task& task = tasks[task_index];
-    const auto& seq = p.plan.seqs[task.seq];
-    Scratch& s = scratch[thread];
-    const std::int64_t row0 = seq.q_begin + task.first;
-    QueryBlockSource block{iq.bytes(row0, 0), iq.dtype, iq.row_stride, iq.head_stride, task.tokens, iq.heads, iq.dim};
-    void* packed = aligned(s.packed);
-    kernel.pack_queries(block, packed);
-    for (std::int64_t t = 0; t < task.tokens; ++t)
-      for (std::int64_t h = 0; h < iq.heads; ++h)
-        s.weights[t * iq.heads + h] = p.scale * p.weights.at(row0 + t, h, 0);
-    // Online log-sum-exp: running max and the sum of exp(score - max), in key order.
-    float running_max[kQueryBlock], running_sum[kQueryBlock];
-    std::int64_t visible[kQueryBlock];
-    for (std::int64_t t = 0; t < task.tokens; ++t) {
-      running_max[t] = core::kNegInf;
-      running_sum[t] = 0.0f;
-      visible[t] = visible_compressed(seq.position(task.first + t), p.ratio);
-    }
-    const std::int64_t last = visible[task.tokens - 1];
-    for (std::int64_t k0 = 0; k0 < last; k0 += kKeyTile) {
-      const std::int64_t n = std::min(kKeyTile, last - k0);
-      KeyTileSource keys{p.index_key.bytes(seq.c_begin + k0, 0), p.index_key.dtype, p.index_key.row_stride, n};
-      kernel.score_tile(packed, block, s.weights.data(), keys, aligned(s.key_scratch), s.tile.data());
-      for (std::int64_t t = 0; t < task.tokens; ++t) {
-        const std::int64_t count = std::min(n, visible[t] - k0);
-        if (count <= 0) continue;
-        const float* score = s.tile.data() + t * kKeyTile;
-        float tile_max = core::kNegInf;
-        for (std::int64_t j = 0; j < count; ++j) tile_max = std::max(tile_max, score[j]);
-        const float new_max = std::max(running_max[t], tile_max);
-        if (!(new_max > core::kNegInf)) {
-          // No score above -inf (NaN leaves the max): NaN scores make the row's lse
-          // NaN, as in the reference's sum of exp(score - max).
-          for (std::int64_t j = 0; j < count; ++j)
-            if (std::isnan(score[j])) running_sum[t] = score[j];
-          continue;
-        }
-        float sum = running_sum[t] * (running_sum[t] > 0.0f ? std::exp(running_max[t] - new_max) : 0.0f);
-        for (std::int64_t j = 0; j < count; ++j) sum += std::exp(score[j] - new_max);
-        running_max[t] = new_max;
-        running_sum[t] = sum;
-      }
-    }
-    for (std::int64_t t = 0; t < task.tokens; ++t)
-      if (visible[t] > 0) p.lse[row0 + t] = running_max[t] + std::log(running_sum[t]);
-  });
-}
 
 }  // namespace dsa::cpu

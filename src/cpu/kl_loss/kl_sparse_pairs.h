@@ -42,7 +42,7 @@
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/kl_loss/kl_kernels.h"
-#include "cpu/kl_loss/kl_pairs_common.h"
+#include "cpu/isa/kl_pairs_common.h"
 
 namespace dsa::cpu::kl_kernels {
 namespace {

@@ -1,6 +1,6 @@
 // Kernels of the dense indexer KL loss (docs/ops.md 4.4) on bf16 pairs, bf16
-// inputs, shared by kl_dense_amx.cpp (products on AMX tiles) and
-// kl_dense_avx512bf16.cpp (the same products on vdpbf16ps). The engine includes
+// inputs, shared by dense_kl_amx.cpp (products on AMX tiles) and
+// dense_kl_avx512bf16.cpp (the same products on vdpbf16ps). The engine includes
 // this file and then defines, in dsa::cpu::kl_kernels' anonymous namespace, the
 // hooks declared below ("Products"); DSA_KL_DENSE_KERNELS names its kernel table.
 //
@@ -22,7 +22,7 @@
 // The teacher is rebuilt in the forward, the dQ/dW pass and the dK pass (nothing
 // O(T * S) is stored). Every sum has one owner and a fixed order: bit-identical
 // for any thread count. Scratch is per thread and independent of S.
-#include "cpu/kl_loss/kl_pairs_common.h"
+#include "cpu/isa/kl_pairs_common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,7 +31,7 @@
 
 #include "core/numeric.h"
 #include "core/thread_pool.h"
-#include "cpu/kl_loss/kl_kernels.h"
+#include "cpu/dense_indexer/dense_kl_kernels.h"
 
 namespace dsa::cpu::kl_kernels {
 namespace {

@@ -1,7 +1,8 @@
 // The generic dense-indexer KL kernels (spec 4.4): see kl_generic_common.h for who includes them.
 #pragma once
 
-#include "cpu/kl_loss/kl_generic_common.h"
+#include "cpu/dense_indexer/dense_kl_kernels.h"
+#include "cpu/isa/kl_generic_common.h"
 
 namespace dsa::cpu::kl_kernels {
 namespace {

@@ -29,4 +29,4 @@ inline void score_block(const std::uint16_t* a0, const std::uint16_t* a1, int q_
 
 #define DSA_SCORE_KERNEL_NAME avx512_bf16_kernel
 #define DSA_SCORE_KERNEL_LABEL "avx512_bf16"
-#include "cpu/indexer/score_pairs.h"
+#include "cpu/score/score_pairs.h"

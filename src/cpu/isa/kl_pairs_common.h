@@ -1,5 +1,5 @@
-// AVX-512 helpers shared by the KL kernels on bf16 pairs (kl_sparse_pairs.h,
-// kl_dense_pairs.h). Include only from *_amx.cpp and *_avx512bf16.cpp files
+// AVX-512 helpers shared by the KL kernels on bf16 pairs (kl_loss/kl_sparse_pairs.h,
+// dense_indexer/dense_kl_pairs.h). Include only from *_amx.cpp and *_avx512bf16.cpp files
 // (they get the AVX-512 compile flags).
 #pragma once
 

@@ -1,5 +1,5 @@
 // Score kernel of the fused indexer on bf16 pairs (bf16 inputs), shared by
-// indexer_amx.cpp (products on AMX tiles) and indexer_avx512bf16.cpp (the same
+// score_amx.cpp (products on AMX tiles) and score_avx512bf16.cpp (the same
 // products on vdpbf16ps). The engine defines, before including this file,
 // inside dsa::cpu::indexer_kernels' anonymous namespace:
 //   void configure_tiles();  per-thread set-up at every kernel entry
@@ -23,7 +23,7 @@
 
 #include <cstring>
 
-#include "cpu/indexer/score_kernels.h"
+#include "cpu/score/score_kernels.h"
 #include "cpu/isa/avx512.h"
 
 namespace dsa::cpu::indexer_kernels {

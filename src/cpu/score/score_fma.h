@@ -1,6 +1,6 @@
 // Register-blocked fp32 FMA score kernel for AVX2 and AVX-512 (every input
 // dtype; bf16 too on CPUs without a bf16 dot product). Included by
-// indexer_avx2.cpp and indexer_avx512.cpp, named through DSA_FMA_KERNEL_NAME.
+// score_avx2.cpp and score_avx512.cpp, named through DSA_FMA_KERNEL_NAME.
 //
 // Layout as in the generic kernel: the query block converted once to fp32
 // [tokens][heads][dim], each key tile transposed to fp32 [dim][kKeyTile]. The
@@ -10,7 +10,7 @@
 #include <cstring>
 
 #include "core/numeric.h"
-#include "cpu/indexer/score_kernels.h"
+#include "cpu/score/score_kernels.h"
 #include "cpu/isa/fma.h"
 
 namespace dsa::cpu::indexer_kernels {

@@ -1,8 +1,8 @@
 // AMX-BF16 kernels of the dense indexer KL loss (bf16 inputs): the algorithm of
-// kl_dense_pairs.h with its products on AMX tiles.
+// dense_kl_pairs.h with its products on AMX tiles.
 #define DSA_KL_DENSE_KERNELS amx_dense_kernels
 #define DSA_KL_LABEL "amx"
-#include "cpu/kl_loss/kl_dense_pairs.h"
+#include "cpu/dense_indexer/dense_kl_pairs.h"
 
 #include "cpu/isa/amx.h"
 

@@ -1,4 +1,4 @@
 // The register-blocked fp32 FMA score kernel compiled for avx512.
 #define DSA_FMA_KERNEL_NAME avx512_kernel
 #define DSA_FMA_KERNEL_LABEL "avx512"
-#include "cpu/indexer/score_fma.h"
+#include "cpu/score/score_fma.h"

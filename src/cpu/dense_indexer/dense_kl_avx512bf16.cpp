@@ -1,9 +1,9 @@
 // AVX-512-BF16 kernels of the dense indexer KL loss (bf16 inputs) for CPUs
-// without AMX: the algorithm of kl_dense_pairs.h with its products on the
+// without AMX: the algorithm of dense_kl_pairs.h with its products on the
 // vdpbf16ps engine, reading the operands packed for AMX tiles.
 #define DSA_KL_DENSE_KERNELS avx512_bf16_dense_kernels
 #define DSA_KL_LABEL "avx512_bf16"
-#include "cpu/kl_loss/kl_dense_pairs.h"
+#include "cpu/dense_indexer/dense_kl_pairs.h"
 
 #include "cpu/isa/avx512bf16_gemm.h"
 

@@ -1,7 +1,9 @@
-// What the generic fused KL kernels (written for the compiler's vectorizer) share: vectorizable exp/log, the small fp32
-// GEMMs and transposes, row packing and the task runner. Included (with
-// kl_generic_sparse.h and kl_generic_dense.h) by kl_portable.cpp, kl_avx2.cpp and
-// kl_avx512.cpp, which compile them for their ISA; not a self-contained header.
+// What the generic fused KL kernels (written for the compiler's vectorizer)
+// share: vectorizable exp/log, the small fp32 GEMMs and transposes, row packing
+// and the task runner. Included by kl_loss/kl_generic_sparse.h and
+// dense_indexer/dense_kl_generic.h, which kl_{portable,avx2,avx512}.cpp and
+// dense_kl_{portable,avx2,avx512}.cpp compile per ISA; not a self-contained
+// header (DSA_KL_ROW_BLOCK comes from the including file).
 //
 // Shapes of work:
 // - sparse (4.3): one task = a few query rows; each row's valid entries are
@@ -22,7 +24,7 @@
 
 #include "core/numeric.h"
 #include "core/thread_pool.h"
-#include "cpu/kl_loss/kl_kernels.h"
+#include "ops/kl_loss.h"
 #if defined(__AVX2__)
 #include "cpu/isa/fma.h"
 #endif

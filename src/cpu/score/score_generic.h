@@ -1,5 +1,5 @@
 // fp32 score kernel written for the compiler's vectorizer. Included by
-// indexer_portable.cpp, indexer_avx2.cpp and indexer_avx512.cpp, which compile
+// score_portable.cpp, score_avx2.cpp and score_avx512.cpp, which compile
 // it for their ISA and name it through DSA_GENERIC_KERNEL_NAME.
 //
 // Layout: the query block is converted once to fp32 [tokens][heads][dim]; each
@@ -9,7 +9,7 @@
 #include <cstring>
 
 #include "core/numeric.h"
-#include "cpu/indexer/score_kernels.h"
+#include "cpu/score/score_kernels.h"
 
 namespace dsa::cpu::indexer_kernels {
 namespace {

@@ -1,4 +1,4 @@
 // The generic fp32 score kernel compiled for portable.
 #define DSA_GENERIC_KERNEL_NAME portable_kernel
 #define DSA_GENERIC_KERNEL_LABEL "portable"
-#include "cpu/indexer/score_generic.h"
+#include "cpu/score/score_generic.h"
