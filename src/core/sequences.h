@@ -2,7 +2,9 @@
 // flattened tensors (TND and BSND alike), validating them on the way.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "dsa/layout.h"
@@ -55,5 +57,37 @@ enum class IndexSpace { raw, compressed };
 void require_indices_in_sequences(const SequencePlan& plan, const std::int32_t* idx,
                                   std::int64_t row_stride, std::int64_t topk, IndexSpace space,
                                   const char* name);
+
+// One task of the fused kernels' dynamic schedule: `tokens` query rows of a
+// sequence from row `first` (of the sequence), and what it costs.
+struct QueryBlock {
+  std::int64_t seq, first, tokens, cost;
+};
+
+// Internal linkage: instantiated in files built for different ISAs.
+namespace {
+
+// Every sequence's query rows (those of packed rows [lo, hi) only) in blocks of
+// `block` rows, costliest first; cost(seq, first, tokens) of each. Under causal
+// attention late rows see more keys, and starting the dear blocks first keeps
+// the threads even. The order never changes a result: each task owns its rows.
+template <class Cost>
+std::vector<QueryBlock> query_blocks(const SequencePlan& plan, std::int64_t block, const Cost& cost,
+                                     std::int64_t lo = 0,
+                                     std::int64_t hi = std::numeric_limits<std::int64_t>::max()) {
+  std::vector<QueryBlock> tasks;
+  for (std::int64_t b = 0; b < static_cast<std::int64_t>(plan.seqs.size()); ++b) {
+    const SequenceSlice& seq = plan.seqs[b];
+    const std::int64_t end = std::min(seq.q_len, hi - seq.q_begin);
+    for (std::int64_t first = std::max<std::int64_t>(0, lo - seq.q_begin); first < end; first += block) {
+      const std::int64_t tokens = std::min(block, end - first);
+      tasks.push_back({b, first, tokens, cost(seq, first, tokens)});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const QueryBlock& a, const QueryBlock& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
+}  // namespace
 
 }  // namespace dsa::core

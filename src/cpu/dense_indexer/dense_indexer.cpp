@@ -40,19 +40,10 @@ void dense_indexer_lse(const DenseLseProblem& p) {
   using namespace indexer_kernels;
   const ScoreKernel& kernel = pick_score_kernel(p.index_query.dtype);
   std::fill(p.lse, p.lse + p.plan.q_rows, core::kPosInf);
-  struct Task {
-    std::int64_t seq, first, tokens, cost;
-  };
-  std::vector<Task> tasks;
-  for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
-    const auto& seq = p.plan.seqs[b];
-    for (std::int64_t first = 0; first < seq.q_len; first += kQueryBlock) {
-      const std::int64_t tokens = std::min(kQueryBlock, seq.q_len - first);
-      const std::int64_t visible = visible_compressed(seq.position(first + tokens - 1), p.ratio);
-      tasks.push_back({b, first, tokens, tokens * (visible + 1)});
-    }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const std::vector<core::QueryBlock> tasks = core::query_blocks(
+      p.plan, kQueryBlock, [&](const core::SequenceSlice& seq, std::int64_t first, std::int64_t tokens) {
+        return tokens * (visible_compressed(seq.position(first + tokens - 1), p.ratio) + 1);
+      });
   const int threads = std::max(1, std::min<int>(p.num_threads, static_cast<int>(tasks.size())));
   const HeadMatrix& iq = p.index_query;
   struct Scratch {
@@ -72,7 +63,7 @@ void dense_indexer_lse(const DenseLseProblem& p) {
     return reinterpret_cast<void*>((reinterpret_cast<std::uintptr_t>(v.data()) + 63) & ~std::uintptr_t(63));
   };
   core::parallel_for(static_cast<std::int64_t>(tasks.size()), threads, [&](std::int64_t task_index, int thread) {
-    const Task& task = tasks[task_index];
+    const core::QueryBlock& task = tasks[task_index];
     const auto& seq = p.plan.seqs[task.seq];
     Scratch& s = scratch[thread];
     const std::int64_t row0 = seq.q_begin + task.first;

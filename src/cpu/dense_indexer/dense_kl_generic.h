@@ -207,22 +207,12 @@ struct DenseBlock {
   }
 };
 
-struct DenseTask {
-  int64_t seq, first, tokens, cost;
-};
+using DenseTask = core::QueryBlock;
 
 std::vector<DenseTask> dense_query_tasks(const core::SequencePlan& plan) {
-  std::vector<DenseTask> tasks;
-  for (int64_t b = 0; b < static_cast<int64_t>(plan.seqs.size()); ++b) {
-    const auto& seq = plan.seqs[b];
-    for (int64_t first = 0; first < seq.q_len; first += kQueryBlock) {
-      const int64_t tokens = std::min(kQueryBlock, seq.q_len - first);
-      tasks.push_back({b, first, tokens, tokens * (seq.position(first + tokens - 1) + 2)});
-    }
-  }
-  // Longest first balances the causal triangle; the order never changes results.
-  std::stable_sort(tasks.begin(), tasks.end(), [](const DenseTask& a, const DenseTask& b) { return a.cost > b.cost; });
-  return tasks;
+  return core::query_blocks(plan, kQueryBlock, [](const core::SequenceSlice& seq, int64_t first, int64_t tokens) {
+    return tokens * (seq.position(first + tokens - 1) + 2);
+  });
 }
 
 int64_t dense_counted_rows(const DenseKlProblem& p) {

@@ -107,22 +107,12 @@ int64_t counted_rows(const DenseKlProblem& p) {
   return n;
 }
 
-struct QueryTask {
-  int64_t seq, first, tokens, cost;
-};
+using QueryTask = core::QueryBlock;
 
 std::vector<QueryTask> query_tasks(const core::SequencePlan& plan) {
-  std::vector<QueryTask> tasks;
-  for (int64_t b = 0; b < static_cast<int64_t>(plan.seqs.size()); ++b) {
-    const auto& seq = plan.seqs[b];
-    for (int64_t first = 0; first < seq.q_len; first += kTq) {
-      const int64_t tokens = std::min(kTq, seq.q_len - first);
-      tasks.push_back({b, first, tokens, seq.position(first + tokens - 1) + 2});
-    }
-  }
-  // Longest first balances the causal triangle; the order never changes results.
-  std::stable_sort(tasks.begin(), tasks.end(), [](const QueryTask& a, const QueryTask& b) { return a.cost > b.cost; });
-  return tasks;
+  return core::query_blocks(plan, kTq, [](const core::SequenceSlice& seq, int64_t first, int64_t tokens) {
+    return seq.position(first + tokens - 1) + 2;
+  });
 }
 
 int thread_count(int64_t n_tasks, int num_threads) {

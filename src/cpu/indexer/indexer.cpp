@@ -28,10 +28,7 @@ constexpr Candidate<indexer_kernels::CandidateFilter, DType> kCandidateFilters[]
 
 using namespace indexer_kernels;
 
-struct Task {
-  std::int64_t seq, first, tokens;
-  std::int64_t cost;
-};
+using Task = core::QueryBlock;
 
 struct ThreadScratch {
   core::ScratchVector<std::uint8_t> packed_query;  // dsa's allocator: a failure names its size
@@ -56,19 +53,13 @@ void indexer_topk(const IndexerProblem& p) {
     if (p.scores) std::fill(p.scores + row * p.topk, p.scores + (row + 1) * p.topk, core::kNegInf);
   }
 
-  std::vector<Task> tasks;
   std::int64_t max_visible = 0;
-  for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
-    const auto& seq = p.plan.seqs[b];
-    for (std::int64_t first = 0; first < seq.q_len; first += kQueryBlock) {
-      const std::int64_t tokens = std::min(kQueryBlock, seq.q_len - first);
-      const std::int64_t visible = visible_compressed(seq.position(first + tokens - 1), p.ratio);
-      max_visible = std::max(max_visible, visible);
-      tasks.push_back({b, first, tokens, tokens * (visible + 1)});
-    }
-  }
-  // Longest tasks first balances the causal triangle; the order never changes results.
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const std::vector<Task> tasks = core::query_blocks(
+      p.plan, kQueryBlock, [&](const core::SequenceSlice& seq, std::int64_t first, std::int64_t tokens) {
+        const std::int64_t visible = visible_compressed(seq.position(first + tokens - 1), p.ratio);
+        max_visible = std::max(max_visible, visible);
+        return tokens * (visible + 1);
+      });
 
   // Candidate buffer: room for 2k before a cut, plus one tile of overflow.
   const std::int64_t capacity = std::min(2 * p.topk, max_visible) + kKeyTile;

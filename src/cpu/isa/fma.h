@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "core/numeric.h"
+#include "cpu/isa/rows.h"
 #if defined(__AVX512F__)
 #include "cpu/isa/avx512.h"
 #endif
@@ -143,36 +144,8 @@ inline void gemm(std::int64_t M, std::int64_t N, std::int64_t K, const float* co
   }
 }
 
-// n storage-dtype elements to fp32, zeros up to `padded`.
-inline void to_float(const char* src, DType dtype, std::int64_t n, std::int64_t padded, float* dst) {
-  std::int64_t i = 0;
-  if (n > 0) switch (dtype) {
-    case DType::f32: std::memcpy(dst, src, n * 4); i = n; break;
-    case DType::bf16: {
-      const auto* s = reinterpret_cast<const std::uint16_t*>(src);
-#if defined(__AVX512F__)
-      for (; i + 16 <= n; i += 16) {
-        const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
-        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
-      }
-#endif
-      for (; i + 8 <= n; i += 8) {
-        const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)));
-      }
-      for (; i < n; ++i) dst[i] = core::bf16_to_float(s[i]);
-      break;
-    }
-    default: {
-      const auto* s = reinterpret_cast<const std::uint16_t*>(src);
-      for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i))));
-      for (; i < n; ++i) dst[i] = core::f16_to_float(s[i]);
-      break;
-    }
-  }
-  for (; i < padded; ++i) dst[i] = 0.0f;
-}
+// n storage-dtype elements to fp32, zeros up to `padded` (cpu/isa/rows.h).
+using rows::to_float;
 
 
 // dst[c][r] = src[r][c] for a rows x cols fp32 block (both multiples of

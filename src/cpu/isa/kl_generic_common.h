@@ -24,6 +24,7 @@
 
 #include "core/numeric.h"
 #include "core/thread_pool.h"
+#include "cpu/isa/rows.h"
 #include "ops/kl_loss.h"
 #if defined(__AVX2__)
 #include "cpu/isa/fma.h"
@@ -239,30 +240,9 @@ inline void add_exp_tile(const float* l, float scale, float mx, float inv, float
 #endif
 }
 
-void to_f32(const void* src, DType dtype, int64_t n, float* out) {
-  if (n <= 0) return;  // out may then be an empty buffer's null pointer (memcpy must not see it)
-  switch (dtype) {
-    case DType::f32: std::memcpy(out, src, n * sizeof(float)); break;
-    case DType::bf16: {
-      const auto* s = static_cast<const std::uint16_t*>(src);
-      for (int64_t i = 0; i < n; ++i) {
-        const std::uint32_t u = static_cast<std::uint32_t>(s[i]) << 16;
-        std::memcpy(out + i, &u, 4);
-      }
-      break;
-    }
-    default:
-      for (int64_t i = 0; i < n; ++i) out[i] = core::load_float(src, dtype, i);
-  }
-}
+void to_f32(const void* src, DType dtype, int64_t n, float* out) { rows::to_float(src, dtype, n, n, out); }
 
-void from_f32(const float* src, DType dtype, int64_t n, void* out) {
-  if (dtype == DType::f32) {
-    std::memcpy(out, src, n * sizeof(float));
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) core::store_float(out, dtype, i, src[i]);
-}
+void from_f32(const float* src, DType dtype, int64_t n, void* out) { rows::from_float(src, dtype, n, out); }
 
 // C rows (+)= A . B: crow[m][n] for m < M, n < N, with A(m, k) = arow[m][k * a_step]
 // and B row k at b + k * b_stride. Every C element is one chain over k in order

@@ -3,20 +3,11 @@
 
 #include "cpu/isa/kl_generic_common.h"
 #include "cpu/kl_loss/kl_kernels.h"
+#include "cpu/kl_loss/kl_sparse_rows.h"
 
 namespace dsa::cpu::kl_kernels {
 namespace {
 
-struct RowRef {
-  int64_t seq, i;
-};
-
-std::vector<RowRef> sequence_rows(const core::SequencePlan& plan) {
-  std::vector<RowRef> rows;
-  for (int64_t b = 0; b < static_cast<int64_t>(plan.seqs.size()); ++b)
-    for (int64_t i = 0; i < plan.seqs[b].q_len; ++i) rows.push_back({b, i});
-  return rows;
-}
 
 void sparse_fwd(const SparseKlProblem& p) {
   const int64_t heads = p.query.heads, dq = p.query.dim + (p.query_rope.present() ? p.query_rope.dim : 0);
@@ -63,13 +54,7 @@ void sparse_fwd(const SparseKlProblem& p) {
     for (int64_t r = task * kSparseRows; r < end; ++r) {
       const auto& seq = p.plan.seqs[rows[r].seq];
       const int64_t i = rows[r].i, row = seq.q_begin + i;
-      const std::int32_t* idx = p.indices + row * p.index_row_stride;
-      int64_t n = 0;
-      for (int64_t k = 0; k < topk; ++k)
-        if (p.valid(seq, i, idx[k])) {
-          s.slots[n] = k;
-          s.key_rows[n++] = seq.c_begin + idx[k];
-        }
+      const int64_t n = valid_entries(p, seq, i, s.slots.data(), s.key_rows.data());
       if (n == 0) continue;
       counted[row] = 1;
       pack_heads(p.query, p.query_rope, row, 0, heads, s.qa.data());
@@ -124,18 +109,7 @@ void sparse_fwd(const SparseKlProblem& p) {
     }
   });
 
-  int64_t n_counted = 0;
-  double total = 0.0;
-  for (int64_t r = 0; r < p.plan.q_rows; ++r) {
-    n_counted += counted[r];
-    total += row_kl[r];
-  }
-  const double factor = reduction_factor(p.reduction, p.coefficient, n_counted);
-  *p.loss = static_cast<float>(factor * total);
-  if (p.score_grad) {
-    const float f = static_cast<float>(factor);
-    for (int64_t n = 0; n < p.plan.q_rows * topk; ++n) p.score_grad[n] *= f;
-  }
+  finish_sparse_loss(p, counted, row_kl);
 }
 
 void sparse_bwd(const SparseKlBackwardProblem& p) {
@@ -182,15 +156,7 @@ void sparse_bwd(const SparseKlBackwardProblem& p) {
       for (int64_t r = task * kSparseRows; r < end; ++r) {
         const auto& seq = p.plan.seqs[rows[r].seq];
         const int64_t i = rows[r].i, row = seq.q_begin + i;
-        const std::int32_t* idx = p.indices + row * p.index_row_stride;
-        int64_t n = 0;
-        for (int64_t k = 0; k < topk; ++k) {
-          const float g = p.grad_loss * p.score_grad[row * topk + k];
-          if (g != 0.0f && p.valid(seq, i, idx[k])) {
-            s.g[n] = g;
-            s.key_rows[n++] = seq.c_begin + idx[k];
-          }
-        }
+        const int64_t n = gradient_entries(p, seq, i, s.g.data(), s.key_rows.data());
         if (n == 0) continue;
         pack_heads(p.index_query, HeadMatrix{}, row, 0, iheads, s.ia.data());
         for (int64_t j = 0; j < iheads; ++j) s.w[j] = p.weights.at(row, j, 0);

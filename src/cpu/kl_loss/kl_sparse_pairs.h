@@ -42,6 +42,7 @@
 #include "core/numeric.h"
 #include "core/thread_pool.h"
 #include "cpu/kl_loss/kl_kernels.h"
+#include "cpu/kl_loss/kl_sparse_rows.h"
 #include "cpu/isa/kl_pairs_common.h"
 
 namespace dsa::cpu::kl_kernels {
@@ -91,16 +92,6 @@ inline void pack_rows_vnni(const std::uint16_t* m, int64_t row_stride, int64_t s
     }
 }
 
-struct RowRef {
-  int64_t seq, i;
-};
-
-std::vector<RowRef> sequence_rows(const core::SequencePlan& plan) {
-  std::vector<RowRef> rows;
-  for (int64_t b = 0; b < static_cast<int64_t>(plan.seqs.size()); ++b)
-    for (int64_t i = 0; i < plan.seqs[b].q_len; ++i) rows.push_back({b, i});
-  return rows;
-}
 
 int thread_count(int64_t n_tasks, int num_threads) {
   return std::max(1, static_cast<int>(std::min<int64_t>(std::max<int64_t>(n_tasks, 1), num_threads)));
@@ -205,13 +196,7 @@ void sparse_fwd(const SparseKlProblem& p) {
     for (int64_t r = task * kSparseRows; r < end; ++r) {
       const auto& seq = p.plan.seqs[rows[r].seq];
       const int64_t i = rows[r].i, row = seq.q_begin + i;
-      const std::int32_t* idx = p.indices + row * p.index_row_stride;
-      int64_t n = 0;
-      for (int64_t k = 0; k < topk; ++k)
-        if (p.valid(seq, i, idx[k])) {
-          s.slots[n] = k;
-          s.key_rows[n++] = seq.c_begin + idx[k];
-        }
+      const int64_t n = valid_entries(p, seq, i, s.slots.data(), s.key_rows.data());
       if (n == 0) continue;
       counted[row] = 1;
       pack_heads_vnni(reinterpret_cast<const std::uint16_t*>(p.query.bytes(row, 0)), p.query.head_stride, heads,
@@ -310,18 +295,7 @@ void sparse_fwd(const SparseKlProblem& p) {
     release_tiles();
   });
 
-  int64_t n_counted = 0;
-  double total = 0.0;
-  for (int64_t r = 0; r < p.plan.q_rows; ++r) {
-    n_counted += counted[r];
-    total += row_kl[r];
-  }
-  const double factor = reduction_factor(p.reduction, p.coefficient, n_counted);
-  *p.loss = static_cast<float>(factor * total);
-  if (p.score_grad) {
-    const float f = static_cast<float>(factor);
-    for (int64_t k = 0; k < p.plan.q_rows * topk; ++k) p.score_grad[k] *= f;
-  }
+  finish_sparse_loss(p, counted, row_kl);
 }
 
 void sparse_bwd(const SparseKlBackwardProblem& p) {
@@ -385,15 +359,7 @@ void sparse_bwd(const SparseKlBackwardProblem& p) {
     for (int64_t r = block * kBwdRows; r < end; ++r) {
       const auto& seq = p.plan.seqs[rows[r].seq];
       const int64_t i = rows[r].i, row = seq.q_begin + i;
-      const std::int32_t* idx = p.indices + row * p.index_row_stride;
-      int64_t n = 0;
-      for (int64_t k = 0; k < topk; ++k) {
-        const float g = p.grad_loss * p.score_grad[row * topk + k];
-        if (g != 0.0f && p.valid(seq, i, idx[k])) {
-          s.g[n] = g;
-          s.key_rows[n++] = seq.c_begin + idx[k];
-        }
-      }
+      const int64_t n = gradient_entries(p, seq, i, s.g.data(), s.key_rows.data());
       if (n == 0) continue;
       for (int64_t e = n; e < n + kBlock; ++e) s.g[e] = 0.0f;
       const auto* iq = reinterpret_cast<const std::uint16_t*>(p.index_query.bytes(row, 0));

@@ -14,11 +14,14 @@
 
 #include <xmmintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 
+#include "core/numeric.h"
 #include "dsa/tensor.h"
 
 namespace dsa::cpu::attention_kernels {
@@ -157,6 +160,30 @@ inline bool keep_block_sums(const Shape& s, const float* acc, std::int64_t count
     std::memcpy(partial + k * s.qk_dim(), acc + k * stride, static_cast<std::size_t>(s.qk_dim()) * sizeof(float));
   return true;
 }
+
+namespace {  // internal linkage: compiled into files built for different ISAs
+
+// A head's softmax with a sink (DeepSeek-V4's per-head logit that takes
+// probability mass and gives no value): with the row's max m and sum of
+// exp(logit - m), the denominator is sum * scale_m + sink_term. Both terms are
+// relative to max(m, sink), so a large sink cannot overflow; without a sink
+// (null or -inf) they are 1 and 0. Every attention kernel and the backward's
+// coefficients finish through this one form.
+struct SinkShare {
+  float scale_m = 1.0f, sink_term = 0.0f;
+};
+
+inline SinkShare sink_share(float m, const float* sinks, std::int64_t h) {
+  SinkShare out;
+  if (sinks && sinks[h] != core::kNegInf) {
+    const float top = std::max(m, sinks[h]);
+    out.scale_m = std::exp(m - top);
+    out.sink_term = std::exp(sinks[h] - top);
+  }
+  return out;
+}
+
+}  // namespace
 
 const AttentionKernel& portable_kernel();
 const AttentionKernel& avx2_kernel();

@@ -48,24 +48,8 @@ constexpr std::int64_t kPointers = kBlock;  // row pointers, at least (a dkv chu
 
 std::int64_t pad(std::int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// ---------------------------------------------------------------------------
-// Conversions.
-
-void from_float(const float* src, DType dtype, std::int64_t n, char* dst) {
-  switch (dtype) {
-    case DType::f32: std::memcpy(dst, src, n * 4); break;
-    case DType::bf16: {
-      auto* d = reinterpret_cast<std::uint16_t*>(dst);
-      for (std::int64_t i = 0; i < n; ++i) d[i] = core::float_to_bf16(src[i]);
-      break;
-    }
-    default: {
-      auto* d = reinterpret_cast<std::uint16_t*>(dst);
-      for (std::int64_t i = 0; i < n; ++i) d[i] = core::float_to_f16(src[i]);
-      break;
-    }
-  }
-}
+// Conversions: cpu/isa/rows.h (to_float through fma.h).
+using rows::from_float;
 
 struct Dims {
   std::int64_t hp, dp, dvp;  // heads, qk dims and value dims padded to whole vectors
@@ -294,13 +278,8 @@ void fma_forward_row(const Shape& s, const float* sinks, const QueryRow& query, 
       // Sums are relative to the reference max; the statistics to the true one.
       const float to_true = std::exp(ref[h] - m);
       const float total = sum[h] * to_true;
-      float scale_m = 1.0f, sink_term = 0.0f;
-      if (sinks && sinks[h] != core::kNegInf) {
-        const float top = std::max(m, sinks[h]);  // a large sink cannot overflow
-        scale_m = std::exp(m - top);
-        sink_term = std::exp(sinks[h] - top);
-      }
-      f = to_true * scale_m / (total * scale_m + sink_term);
+      const SinkShare sink = sink_share(m, sinks, h);
+      f = to_true * sink.scale_m / (total * sink.scale_m + sink.sink_term);
       max_out[h] = m;
       sum_out[h] = total;
     } else {

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "core/numeric.h"
+#include "cpu/isa/rows.h"
 #include "cpu/sparse_attention/attention_kernels.h"
 
 namespace dsa::cpu::attention_kernels {
@@ -20,41 +21,9 @@ constexpr std::int64_t kLanes = 16;
 std::int64_t pad(std::int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
 // Converts n storage-dtype elements to fp32, zero-filling up to pad(n).
-void to_float(const char* src, DType dtype, std::int64_t n, float* dst) {
-  switch (dtype) {
-    case DType::f32: std::memcpy(dst, src, n * 4); break;
-    case DType::bf16: {
-      const auto* s = reinterpret_cast<const std::uint16_t*>(src);
-      for (std::int64_t i = 0; i < n; ++i) {
-        const std::uint32_t u = static_cast<std::uint32_t>(s[i]) << 16;
-        std::memcpy(dst + i, &u, 4);
-      }
-      break;
-    }
-    default: {
-      const auto* s = reinterpret_cast<const core::Half*>(src);
-      for (std::int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
-      break;
-    }
-  }
-  for (std::int64_t i = n; i < pad(n); ++i) dst[i] = 0.0f;
-}
+void to_float(const char* src, DType dtype, std::int64_t n, float* dst) { rows::to_float(src, dtype, n, pad(n), dst); }
 
-void from_float(const float* src, DType dtype, std::int64_t n, char* dst) {
-  switch (dtype) {
-    case DType::f32: std::memcpy(dst, src, n * 4); break;
-    case DType::bf16: {
-      auto* d = reinterpret_cast<std::uint16_t*>(dst);
-      for (std::int64_t i = 0; i < n; ++i) d[i] = core::float_to_bf16(src[i]);
-      break;
-    }
-    default: {
-      auto* d = reinterpret_cast<core::Half*>(dst);
-      for (std::int64_t i = 0; i < n; ++i) d[i] = static_cast<core::Half>(src[i]);
-      break;
-    }
-  }
-}
+using rows::from_float;
 
 // n is a multiple of kLanes (buffers are zero padded).
 inline float dot(const float* __restrict a, const float* __restrict b, std::int64_t n) {
@@ -164,17 +133,11 @@ void generic_forward_row(const Shape& s, const float* sinks, const QueryRow& que
   const std::size_t es = dtype_size(s.dtype);
   for (std::int64_t h = 0; h < H; ++h) {
     float* a = acc + h * L.v;
-    float scale_m = 1.0f, sink_term = 0.0f;
     if (max[h] == core::kNegInf && keys.count == 0) {
       std::fill(a, a + dv, 0.0f);  // empty row
     } else {  // (keys whose logits are all NaN or -inf: the sum is NaN, so is the output)
-      if (sinks && sinks[h] != core::kNegInf) {
-        // Relative to max(m, sink), so a large sink cannot overflow.
-        const float top = std::max(max[h], sinks[h]);
-        scale_m = std::exp(max[h] - top);
-        sink_term = std::exp(sinks[h] - top);
-      }
-      const float f = scale_m / (sum[h] * scale_m + sink_term);
+      const SinkShare sink = sink_share(max[h], sinks, h);
+      const float f = sink.scale_m / (sum[h] * sink.scale_m + sink.sink_term);
       for (std::int64_t d = 0; d < dv; ++d) a[d] *= f;
     }
     if (s.out_fp32) std::memcpy(static_cast<float*>(out) + h * dv, a, dv * sizeof(float));

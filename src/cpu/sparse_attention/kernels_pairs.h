@@ -45,6 +45,7 @@
 
 #include "core/numeric.h"
 #include "cpu/isa/avx512.h"
+#include "cpu/isa/fma.h"
 #include "cpu/sparse_attention/attention_kernels.h"
 
 namespace dsa::cpu::attention_kernels {
@@ -128,23 +129,9 @@ std::size_t row_scratch_bytes(const struct BackwardDims& d);
 std::size_t block_scratch_bytes(const struct BackwardDims& d, std::int64_t owner_rows);
 std::size_t pair_scratch_bytes(const Shape& s);
 
-// exp for the softmax; inputs are <= kLazy above the reference max. NaN
-// passes the clamp (max returns its second operand when either is NaN).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+// exp for the softmax (inputs are <= kLazy above the reference max): the FMA
+// kernels' fma::vexp on zmm, so both kernel families weigh a logit alike.
+inline __m512 exp512(__m512 x) { return fma::vexp(x); }
 
 // cols[c][r] = src[r][c] for a 16 x 16 block of 32-bit elements (pure data
 // movement, so it serves fp32 values and bf16 pairs alike).
@@ -351,13 +338,8 @@ void pair_forward_row(const Shape& s, const float* sinks, const QueryRow& query,
       // Sums are relative to the reference max; the statistics to the true one.
       const float to_true = std::exp(b.max[h] - m);
       const float sum = b.sum[h] * to_true;
-      float scale_m = 1.0f, sink_term = 0.0f;
-      if (sinks && sinks[h] != core::kNegInf) {
-        const float top = std::max(m, sinks[h]);
-        scale_m = std::exp(m - top);
-        sink_term = std::exp(sinks[h] - top);
-      }
-      f = to_true * scale_m / (sum * scale_m + sink_term);
+      const SinkShare sink = sink_share(m, sinks, h);
+      f = to_true * sink.scale_m / (sum * sink.scale_m + sink.sink_term);
       max_out[h] = m;
       sum_out[h] = sum;
     } else {

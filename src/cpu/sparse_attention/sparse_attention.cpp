@@ -80,28 +80,21 @@ Shape shape_of(const SparseAttentionProblem& p) {
   return Shape{p.dtype, p.heads, p.dim, p.rope_dim, p.d_v, p.scale};
 }
 
-struct RowTask {
-  std::int64_t seq, first, rows, cost;
-};
+using RowTask = core::QueryBlock;
 
 // Row tasks of every sequence's rows in the global row range [lo, hi), longest
 // first (balance; never changes results).
 std::vector<RowTask> row_tasks(const SparseAttentionProblem& p, std::int64_t lo = 0,
                                std::int64_t hi = std::numeric_limits<std::int64_t>::max()) {
-  std::vector<RowTask> tasks;
-  for (std::int64_t b = 0; b < static_cast<std::int64_t>(p.plan.seqs.size()); ++b) {
-    const auto& seq = p.plan.seqs[b];
-    const std::int64_t end = std::min(seq.q_len, hi - seq.q_begin);
-    for (std::int64_t first = std::max<std::int64_t>(0, lo - seq.q_begin); first < end; first += kRowsPerTask) {
-      const std::int64_t rows = std::min(kRowsPerTask, end - first);
-      const auto w = p.row_window(seq, first + rows - 1);
-      const std::int64_t raw = p.indices ? p.topk : w.pos - w.raw_lo + 1;
-      const std::int64_t cmp = p.cmp_kv ? (p.cmp_indices ? p.cmp_topk : w.cmp_visible) : 0;
-      tasks.push_back({b, first, rows, rows * (raw + cmp + 1)});
-    }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const RowTask& a, const RowTask& b) { return a.cost > b.cost; });
-  return tasks;
+  return core::query_blocks(
+      p.plan, kRowsPerTask,
+      [&](const core::SequenceSlice& seq, std::int64_t first, std::int64_t rows) {
+        const auto w = p.row_window(seq, first + rows - 1);
+        const std::int64_t raw = p.indices ? p.topk : w.pos - w.raw_lo + 1;
+        const std::int64_t cmp = p.cmp_kv ? (p.cmp_indices ? p.cmp_topk : w.cmp_visible) : 0;
+        return rows * (raw + cmp + 1);
+      },
+      lo, hi);
 }
 
 // The most keys any query row can attend: the size of a row's pointer list.
@@ -344,7 +337,7 @@ void sparse_attention_fwd(const SparseAttentionProblem& p) {
     const RowTask& task = tasks[t];
     const auto& seq = p.plan.seqs[task.seq];
     Scratch& s = scratch[thread];
-    for (std::int64_t i = task.first; i < task.first + task.rows; ++i) {
+    for (std::int64_t i = task.first; i < task.first + task.tokens; ++i) {
       const std::int64_t row = seq.q_begin + i;
       const KeyRows keys = gather_row(p, seq, i, s.ptrs);
       kernel.forward_row(shape, p.sinks, query_row(p, row), keys, s.aligned(),
@@ -453,24 +446,19 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
       const RowTask& task = tasks[t];
       const auto& seq = p.plan.seqs[task.seq];
       Scratch& s = scratch[thread];
-      for (std::int64_t i = task.first; i < task.first + task.rows; ++i) {
+      for (std::int64_t i = task.first; i < task.first + task.tokens; ++i) {
         const std::int64_t row = seq.q_begin + i;
         for (std::int64_t h = 0; h < H; ++h) {
           const float m = p.saved_max[row * H + h], sum = p.saved_sum[row * H + h];
           if (m == core::kNegInf) continue;  // empty row: no gradient at all
-          float scale_m = 1.0f, sink_term = 0.0f;
-          if (p.sinks && p.sinks[h] != core::kNegInf) {
-            const float top = std::max(m, p.sinks[h]);
-            scale_m = std::exp(m - top);
-            sink_term = std::exp(p.sinks[h] - top);
-          }
-          const float denom = sum * scale_m + sink_term;
+          const SinkShare sink = sink_share(m, p.sinks, h);
+          const float denom = sum * sink.scale_m + sink.sink_term;
           const float d = row_dot(static_cast<const char*>(p.grad_out) + (row * p.go_row_stride + h * p.go_head_stride) * es,
                                   static_cast<const char*>(p.fwd_out) + (row * p.o_row_stride + h * p.o_head_stride) * es,
                                   p.dtype, dv);
-          coef[row * H + h] = scale_m / denom;
+          coef[row * H + h] = sink.scale_m / denom;
           delta[row * H + h] = d;
-          if (p.sinks) sink_terms[row * H + h] = -(sink_term / denom) * d;
+          if (p.sinks) sink_terms[row * H + h] = -(sink.sink_term / denom) * d;
         }
         const KeyRows keys = gather_row(p, seq, i, s.ptrs);
         if (keys.count == 0) continue;

@@ -116,9 +116,9 @@ void finish(const SparseAttentionDecodeProblem& p, const Partial& a, std::int64_
     } else if (m == core::kNegInf) {
       f = 0.0f, lse = core::kNegInf;  // no keys: zeros
     } else if (p.sinks && p.sinks[h] != core::kNegInf) {
-      const float top = std::max(m, p.sinks[h]);  // a large sink cannot overflow
-      const float scaled = s * std::exp(m - top);
-      f = scaled / (scaled + std::exp(p.sinks[h] - top));
+      const SinkShare sink = sink_share(m, p.sinks, h);  // the partial is already divided by s
+      const float scaled = s * sink.scale_m;
+      f = scaled / (scaled + sink.sink_term);
     }
     const std::int64_t o0 = (row * H + h) * dv;
     for (std::int64_t d = 0; d < dv; ++d) core::store_float(p.out, p.dtype, o0 + d, a.o[h * dv + d] * f);
