@@ -55,6 +55,32 @@ def test_cp2_matches_single_process(tmp_path):
     assert r.stdout.count("sas+li: 3 steps") == 1 and r.stdout.count("context parallel: 2 ranks") == 1, r.stdout
 
 
+def test_dp2_cp2_matches_single_process(tmp_path):
+    """--dp 2 --cp 2 (4 processes, DDP) on 2 x 3 rows equals one process on the 6 rows."""
+    single, mesh = tmp_path / "single.json", tmp_path / "mesh.json"
+    at = TINY.index("--batch") + 1
+    six = TINY[:at] + ["6"] + TINY[at + 1:]
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    env["PYTHONPATH"] = str(ROOT / "python")
+    r = subprocess.run([sys.executable, "-m", "dsa.train", *six, "--json", str(single)], capture_output=True,
+                       text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    r = _run(torchrun, ["--dp", "2", "--cp", "2"], mesh)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = json.loads(single.read_text()), json.loads(mesh.read_text())
+    for x, y in zip(a["steps"], b["steps"]):
+        assert abs(x["loss"] - y["loss"]) <= 1e-4 * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+        for t in x["indexer_kl"]:
+            assert abs(x["indexer_kl"][t] - y["indexer_kl"][t]) <= 1e-4 * abs(x["indexer_kl"][t]), (x, y)
+    assert b["steps"][-1]["loss"] < b["steps"][0]["loss"] - 0.05
+    m = b["cp"]
+    assert (m["world_size"], m["dp"], m["cp"], m["dp_wrap"]) == (4, 2, 2, "ddp")
+    assert [(q["dp_rank"], q["cp_rank"], q["rows"]) for q in m["ranks"]] == [(0, 0, 195), (0, 1, 195),
+                                                                             (1, 0, 195), (1, 1, 195)]
+    assert r.stdout.count("data x context parallel: 2 x 2 ranks (gloo, ddp)") == 1, r.stdout
+
+
 def _main(monkeypatch, capsys, argv, world=None):
     from dsa.train.__main__ import main
 
@@ -78,6 +104,12 @@ def test_cp_flag_errors(monkeypatch, capsys):
     assert "--cp: not with --compare" in err, err
     err = _main(monkeypatch, capsys, [], world=2)
     assert "without --cp 2" in err, err
+    err = _main(monkeypatch, capsys, ["--dp", "2", "--cp", "2"], world=2)
+    assert "--dp 2 --cp 2: needs 4 processes" in err and "WORLD_SIZE=2" in err, err
+    err = _main(monkeypatch, capsys, ["--dp", "2", "--cp", "2"])
+    assert "torchrun --nproc-per-node 4" in err, err
+    err = _main(monkeypatch, capsys, ["--dp", "2", "--dp-wrap", "fsdp", "--save", "x"], world=2)
+    assert "--save / --resume: not with --dp-wrap fsdp" in err, err
     err = _main(monkeypatch, capsys, ["--cp", "0"])
     assert "--cp: expected an integer >= 1, got 0" in err, err
 

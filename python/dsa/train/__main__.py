@@ -86,6 +86,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cp", type=_number("--cp"), default=d.cp, metavar="W",
                     help="context parallel over W ranks (gloo; start with torchrun --nproc-per-node W); "
                          "each rank trains on its contiguous run of every batch")
+    ap.add_argument("--dp", type=_number("--dp"), default=d.dp, metavar="D",
+                    help="data parallel over D replicas, each taking its own --batch rows (with --cp C: "
+                         "torchrun --nproc-per-node D*C; the ranks form a (dp, cp) mesh)")
+    ap.add_argument("--dp-wrap", choices=("ddp", "fsdp"), default=d.dp_wrap,
+                    help="how the replicas share gradients: DistributedDataParallel, or FSDP2's fully_shard "
+                         "over the dp dimension (default %(default)s)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="recompute each decoder layer in the backward instead of keeping its activations "
                          "(transformers' activation_checkpointing_enable, non-reentrant; less memory, one more "
@@ -128,27 +134,33 @@ def _log(msg: str) -> None:
 
 
 def _check_cp(ap, args) -> None:
-    """--cp W runs one process per rank under torchrun; a mismatch is an error before any
-    process group is made (and a torchrun start without --cp would train W copies)."""
+    """--dp D --cp C runs D x C processes under torchrun; a mismatch is an error before
+    any process group is made, on every rank (and a torchrun start without them would
+    train W copies)."""
     world = os.environ.get("WORLD_SIZE")
-    if args.cp == 1:
+    ranks = args.dp * args.cp
+    mesh = f"--dp {args.dp} --cp {args.cp}" if args.dp > 1 else f"--cp {args.cp}"
+    if ranks == 1:
         if world is not None and int(world) > 1:
-            ap.error(f"--cp: started with WORLD_SIZE={world} (torchrun?) but without --cp {world}; every "
-                     "process would train the whole batch")
+            ap.error(f"--cp: started with WORLD_SIZE={world} (torchrun?) but without --cp {world} (or --dp); "
+                     "every process would train the whole batch")
         return
     if world is None:
-        ap.error(f"--cp {args.cp}: needs one process per rank, started by torchrun (WORLD_SIZE is not set): "
-                 f"torchrun --nproc-per-node {args.cp} -m dsa.train --cp {args.cp} ...")
-    if int(world) != args.cp:
-        ap.error(f"--cp {args.cp}: torchrun started {world} processes (WORLD_SIZE={world}); "
-                 f"use --nproc-per-node {args.cp}")
+        ap.error(f"{mesh}: needs one process per rank, started by torchrun (WORLD_SIZE is not set): "
+                 f"torchrun --nproc-per-node {ranks} -m dsa.train {mesh} ...")
+    if int(world) != ranks:
+        ap.error(f"{mesh}: needs {ranks} processes, torchrun started {world} (WORLD_SIZE={world}); "
+                 f"use --nproc-per-node {ranks}")
     if args.compare or args.memory_budget:
-        ap.error("--cp: not with --compare / --memory-budget (run each configuration by itself)")
-    if args.config != "sas+li":
+        ap.error(f"{mesh.split()[0]}: not with --compare / --memory-budget (run each configuration by itself)")
+    if args.cp > 1 and args.config != "sas+li":
         ap.error(f"--cp: needs --config sas+li (dsa's attention, indexer and compressors; got {args.config}): "
                  "transformers' own attention would see each rank's rows only")
     if args.seq_len * args.batch < args.cp:
         ap.error(f"--cp {args.cp}: a batch of {args.seq_len * args.batch} tokens cannot give every rank one")
+    if args.dp > 1 and args.dp_wrap == "fsdp" and (args.save or args.resume):
+        ap.error("--save / --resume: not with --dp-wrap fsdp (the checkpoint format holds whole parameters; "
+                 "use --dp-wrap ddp)")
 
 
 def main(argv=None) -> int:
@@ -190,7 +202,7 @@ def main(argv=None) -> int:
     if args.compare and args.plot is None:
         args.plot = "build/train.png"
     _check_cp(ap, args)
-    rank0 = int(os.environ.get("RANK", "0")) == 0 if args.cp > 1 else True
+    rank0 = int(os.environ.get("RANK", "0")) == 0 if args.dp * args.cp > 1 else True
     try:
         for path, what in ((args.json, "--json"), (args.plot, "--plot")):
             if path is not None:
@@ -210,7 +222,7 @@ def main(argv=None) -> int:
             failed = [n for n, r in result["runs"].items() if "error" in r]
             return 1 if failed else 0
         result = run(spec)
-        if not rank0:  # under --cp only rank 0 reports and writes
+        if not rank0:  # under --dp / --cp only rank 0 reports and writes
             return 0
         write_json(result, args.json)
         last = result["steps"][-1]

@@ -162,11 +162,16 @@ def tables(result: dict) -> str:
 
 
 def cp_table(cp: dict) -> str:
-    """Per rank of a --cp run: its rows, median step time and peak RSS (VmHWM)."""
-    head = f"{'rank':>4} {'rows':>6} {'s/step median':>13} {'peak GiB':>9}"
-    lines = [f"context parallel: {cp['world_size']} ranks ({cp['backend']})", head, "-" * len(head)]
+    """Per rank of a --dp / --cp run: its place in the mesh, its rows, median step time
+    and peak RSS (VmHWM)."""
+    head = f"{'rank':>4} {'dp':>3} {'cp':>3} {'rows':>6} {'s/step median':>13} {'peak GiB':>9}"
+    dp = cp.get("dp", 1)
+    title = (f"data x context parallel: {dp} x {cp['cp']} ranks ({cp['backend']}, {cp['dp_wrap']})" if dp > 1
+             else f"context parallel: {cp['world_size']} ranks ({cp['backend']})")
+    lines = [title, head, "-" * len(head)]
     for r in cp["ranks"]:
-        lines.append(f"{r['rank']:>4} {r['rows']:>6} {r['step_seconds_median']:>13.2f} {r['peak_rss_gib']:>9.2f}")
+        lines.append(f"{r['rank']:>4} {r.get('dp_rank', 0):>3} {r.get('cp_rank', r['rank']):>3} {r['rows']:>6} "
+                     f"{r['step_seconds_median']:>13.2f} {r['peak_rss_gib']:>9.2f}")
     return "\n".join(lines)
 
 

@@ -49,6 +49,8 @@ class RunSpec:
     resume: str | None = None
     progress: bool = True
     cp: int = 1  # context-parallel ranks (> 1: one process each, started by torchrun)
+    dp: int = 1  # data-parallel replicas, each of `batch` rows (dp x cp processes under torchrun)
+    dp_wrap: str = "ddp"  # how the replicas share gradients: "ddp" or "fsdp" (FSDP2's fully_shard)
     gradient_checkpointing: bool = False  # transformers' activation checkpointing (non-reentrant) per layer
 
 
@@ -157,7 +159,8 @@ def run(spec: RunSpec) -> dict:
 def _run(spec: RunSpec, trainer: Trainer) -> dict:
     dtype = DTYPES[spec.dtype]
     corpus = stdlib_corpus()
-    batches = Batches(corpus, spec.seq_len, spec.batch, spec.seed)
+    # Under --dp D every rank draws the D replicas' rows (D x batch) and keeps its own.
+    batches = Batches(corpus, spec.seq_len, spec.batch * spec.dp, spec.seed)
     start_step = 0
     if spec.resume:
         model, optimizer, start_step = _load(spec, batches, dtype)
@@ -171,6 +174,9 @@ def _run(spec: RunSpec, trainer: Trainer) -> dict:
         # backward (dsa's ops are deterministic, so the recompute is the same bits;
         # under CP its collectives rerun in the same order on every rank).
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    trainer.prepare(model)
+    if trainer.replaces_parameters:  # FSDP2 swapped every parameter for its shard: optimise those
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=0.1)
     types = layer_types(model)
     timer = LayerTimer(model.model.layers)
     rss_start = _rss_gib("VmRSS")
@@ -381,7 +387,7 @@ def summarise(spec: RunSpec, types: list[str], records: list[StepRecord], rss_st
                          "steady_steps": len(steady)},
         "layer_seconds": per_layer,
         "layer_seconds_by_type": {t: statistics.median(v) for t, v in by_type.items()},
-        "tokens_per_s": spec.seq_len * spec.batch / statistics.median(steady),
+        "tokens_per_s": spec.seq_len * spec.batch * spec.dp / statistics.median(steady),  # every replica
         "memory_gib": {"rss_at_start": rss_start, "peak_rss": rss_peak, "peak_extra": rss_peak - rss_start},
         "loss_first": records[0].loss if records else math.nan,
         "loss_last": records[-1].loss if records else math.nan,
