@@ -183,6 +183,26 @@ inline SinkShare sink_share(float m, const float* sinks, std::int64_t h) {
   return out;
 }
 
+// A head's finished row from the lazy online softmax: its running sum is relative
+// to `ref_max` (rescaled only when the max grew by more than a margin), its
+// statistics to the true max `m`. Writes the statistics and returns the factor of
+// the accumulated output: 0 for a row with no keys; NaN (sum too) for a row whose
+// keys' logits are all NaN or -inf, as the reference gives.
+inline float finish_head(float m, float ref_max, float sum, const float* sinks, std::int64_t h,
+                         std::int64_t key_count, float* max_out, float* sum_out) {
+  if (m == core::kNegInf) {
+    max_out[h] = core::kNegInf;
+    sum_out[h] = 0.0f;
+    return key_count > 0 ? (sum_out[h] = kNoNumberSum) : 0.0f;
+  }
+  const float to_true = std::exp(ref_max - m);
+  const float total = sum * to_true;
+  const SinkShare sink = sink_share(m, sinks, h);
+  max_out[h] = m;
+  sum_out[h] = total;
+  return to_true * sink.scale_m / (total * sink.scale_m + sink.sink_term);
+}
+
 }  // namespace
 
 const AttentionKernel& portable_kernel();

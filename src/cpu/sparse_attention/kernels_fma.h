@@ -273,20 +273,7 @@ void fma_forward_row(const Shape& s, const float* sinks, const QueryRow& query, 
   for (std::int64_t h = 0; h < s.heads; ++h) {
     const float m = true_max[h];
     float* orow = o + h * d.dvp;
-    float f = 0.0f;
-    if (m != core::kNegInf) {
-      // Sums are relative to the reference max; the statistics to the true one.
-      const float to_true = std::exp(ref[h] - m);
-      const float total = sum[h] * to_true;
-      const SinkShare sink = sink_share(m, sinks, h);
-      f = to_true * sink.scale_m / (total * sink.scale_m + sink.sink_term);
-      max_out[h] = m;
-      sum_out[h] = total;
-    } else {
-      max_out[h] = core::kNegInf;
-      sum_out[h] = 0.0f;
-      if (keys.count > 0) f = sum_out[h] = kNoNumberSum;
-    }
+    const float f = finish_head(m, ref[h], sum[h], sinks, h, keys.count, max_out, sum_out);
     for (std::int64_t x = 0; x < s.d_v; ++x) orow[x] *= f;
     if (s.out_fp32) std::memcpy(static_cast<float*>(out) + h * s.d_v, orow, s.d_v * sizeof(float));
     else from_float(orow, s.dtype, s.d_v, static_cast<char*>(out) + h * s.d_v * es);

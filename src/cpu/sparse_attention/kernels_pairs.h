@@ -333,20 +333,7 @@ void pair_forward_row(const Shape& s, const float* sinks, const QueryRow& query,
   for (std::int64_t h = 0; h < s.heads; ++h) {
     const float m = b.true_max[h];
     float* orow = b.o + h * d.dvp;
-    float f = 0.0f;
-    if (m != core::kNegInf) {
-      // Sums are relative to the reference max; the statistics to the true one.
-      const float to_true = std::exp(b.max[h] - m);
-      const float sum = b.sum[h] * to_true;
-      const SinkShare sink = sink_share(m, sinks, h);
-      f = to_true * sink.scale_m / (sum * sink.scale_m + sink.sink_term);
-      max_out[h] = m;
-      sum_out[h] = sum;
-    } else {
-      max_out[h] = core::kNegInf;
-      sum_out[h] = 0.0f;
-      if (keys.count > 0) f = sum_out[h] = kNoNumberSum;
-    }
+    const float f = finish_head(m, b.max[h], b.sum[h], sinks, h, keys.count, max_out, sum_out);
     std::int64_t c = 0;
     const __m512 vf = _mm512_set1_ps(f);
     if (s.out_fp32) {
