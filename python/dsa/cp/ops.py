@@ -41,6 +41,23 @@ def _rank_world(group):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _gather_and_agree(own: int, agreed: list[int], group, what: str) -> list[int]:
+    """All-gathers every rank's ``own`` value beside a fingerprint of ``agreed`` (values
+    every rank must pass alike) and raises on every rank, naming the ranks that differ
+    from rank 0, when they do not agree. Returns every rank's ``own``, in rank order."""
+    dist = _dist()
+    _, world = _rank_world(group)
+    mine = torch.tensor([own, len(agreed), _fingerprint(agreed)], dtype=torch.int64, device=comm_device(group))
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine, group=group)
+    table = torch.stack(parts).cpu().tolist()
+    bad = [q for q, row in enumerate(table) if row[1:] != table[0][1:]]
+    if bad:
+        raise ValueError(f"{what}: ranks {bad} passed values that differ from rank 0's "
+                         "(every rank must pass the same global lengths)")
+    return [row[0] for row in table]
+
+
 def tnd_shard(doc_ends, local_rows: int, *, group=None, ring_degree: int = 1) -> TNDShard:
     """The shard of this rank for a packed TND stream split contiguously (rank order).
 
@@ -52,19 +69,11 @@ def tnd_shard(doc_ends, local_rows: int, *, group=None, ring_degree: int = 1) ->
     ends = _check_ends(doc_ends)
     if isinstance(local_rows, bool) or not isinstance(local_rows, int) or local_rows < 0:
         raise ValueError(f"local_rows: expected an integer >= 0, got {local_rows!r}")
-    dist = _dist()
     rank, world = _rank_world(group)
-    mine = torch.tensor([local_rows, len(ends), _fingerprint(ends)], dtype=torch.int64, device=comm_device(group))
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    table = torch.stack(parts).cpu().tolist()
-    if any(row[1:] != table[0][1:] for row in table):
-        bad = [q for q, row in enumerate(table) if row[1:] != table[0][1:]]
-        raise ValueError(f"doc_ends: ranks {bad} passed global document ends that differ from rank 0's "
-                         "(every rank must pass the same global lengths)")
+    counts = _gather_and_agree(local_rows, list(ends), group, "doc_ends (global document ends)")
     offsets = [0]
-    for row in table:
-        offsets.append(offsets[-1] + row[0])
+    for n in counts:
+        offsets.append(offsets[-1] + n)
     return TNDShard(rank, world, ends, tuple(offsets), group)
 
 
@@ -79,16 +88,8 @@ def zigzag_shard(seq_len: int, lengths=None, *, batch: Optional[int] = None, gro
             raise ValueError("lengths: pass the row lengths or batch=")
         lengths = [seq_len] * batch
     lens = [int(v) for v in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
-    dist = _dist()
     rank, world = _rank_world(group)
-    mine = torch.tensor([seq_len, len(lens), _fingerprint(lens)], dtype=torch.int64, device=comm_device(group))
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
-    table = torch.stack(parts).cpu().tolist()
-    if any(row != table[0] for row in table):
-        bad = [q for q, row in enumerate(table) if row != table[0]]
-        raise ValueError(f"lengths: ranks {bad} passed seq_len or row lengths that differ from rank 0's "
-                         "(every rank must pass the same global lengths)")
+    _gather_and_agree(0, [seq_len] + lens, group, "lengths (seq_len and the row lengths)")
     return ZigzagShard(rank, world, seq_len, tuple(lens), group)
 
 
