@@ -37,6 +37,8 @@ def check_writable(path: str, what: str, folder: bool = False) -> None:
         with open(probe, "a"):
             pass
         if not existed:
-            probe.unlink()
+            # missing_ok: another process checking the same path (a torchrun rank) may
+            # have removed the empty file first; that is no failure to write.
+            probe.unlink(missing_ok=True)
     except OSError as e:
         raise ValueError(f"{what}: cannot write {path!r} ({e.strerror or e})") from None

@@ -188,3 +188,30 @@ def test_a_disturbed_step_timing_is_flagged_in_the_table():
     busy = tables({"spec": spec, "runs": {"unpatched": run([1.0, 1.1, 1.05]), "sas+li": run([0.5, 30.0, 0.51])}})
     assert "* step times of sas+li spread over 1.5x" in busy
     assert [line for line in busy.splitlines() if line.startswith("sas+li")][0].split()[3].endswith("*")
+
+
+def test_write_check_of_one_path_by_many_processes_at_once(tmp_path):
+    """Every torchrun rank used to check --json on the same path: one rank's probe file
+    could be removed by another before its own clean-up, and that rank then failed with
+    '--json: cannot write' (exit 2). Concurrent checks of one new path must all pass (an
+    empty file may stay where one check re-created another's probe: the run writes there
+    anyway; dsa-train now checks on rank 0 only)."""
+    import threading
+
+    from dsa._cli import check_writable
+
+    errors = []
+
+    def check(i):
+        for n in range(300):
+            try:
+                check_writable(str(tmp_path / f"out{n}.json"), "--json")
+            except ValueError as e:
+                errors.append(str(e))
+
+    threads = [threading.Thread(target=check, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]

@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     rank0 = int(os.environ.get("RANK", "0")) == 0 if args.dp * args.cp > 1 else True
     try:
         for path, what in ((args.json, "--json"), (args.plot, "--plot")):
-            if path is not None:
+            if path is not None and rank0:  # under --dp / --cp only rank 0 writes them
                 check_writable(path, what)
         if args.compare:
             if args.save or args.resume:
