@@ -43,8 +43,9 @@ def _rank_world(group):
 
 def _gather_and_agree(own: int, agreed: list[int], group, what: str) -> list[int]:
     """All-gathers every rank's ``own`` value beside a fingerprint of ``agreed`` (values
-    every rank must pass alike) and raises on every rank, naming the ranks that differ
-    from rank 0, when they do not agree. Returns every rank's ``own``, in rank order."""
+    every rank must pass alike). When they do not agree it raises on every rank, naming
+    the ranks whose values differ (rank 0's are the yardstick). Returns every rank's
+    ``own``, in rank order."""
     dist = _dist()
     _, world = _rank_world(group)
     mine = torch.tensor([own, len(agreed), _fingerprint(agreed)], dtype=torch.int64, device=comm_device(group))

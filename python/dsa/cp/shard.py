@@ -15,6 +15,7 @@ every wrapper. The metadata is integer math; only ``gather`` runs a collective.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -50,7 +51,7 @@ class OpCall:
     key_lengths: list[int]
 
 
-class Shard:
+class Shard(ABC):
     """What the CP op wrappers ask of a split (implemented by ``TNDShard`` and
     ``ZigzagShard``). ``layout``: the ops' layout; ``seq_dim``: the sequence axis of a
     token tensor; ``token_dims``: how many leading axes index a token (1 TND, 2 BSND)."""
@@ -61,29 +62,30 @@ class Shard:
     world_size: int
     group: Optional[object]
 
+    @abstractmethod
     def op_calls(self) -> list[OpCall]:
-        raise NotImplementedError(f"{type(self).__name__} does not implement op_calls")
+        """The op calls this rank makes, each with its query slice and lengths."""
 
+    @abstractmethod
     def key_rows(self, ratio: int = 1) -> tuple[int, int]:
         """(rows of the gathered key tensor, rows of it this rank's calls read) for raw
         keys (ratio 1) or compressed entries of the given ratio."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement key_rows")
 
+    @abstractmethod
     def rows_of(self, x_global: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a global tensor (for data loaders and tests)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement rows_of")
 
+    @abstractmethod
     def gather(self, x_local: torch.Tensor) -> torch.Tensor:
         """Differentiable all-gather of a key-side tensor into natural global order."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement gather")
 
+    @abstractmethod
     def query_positions(self, device=None) -> torch.Tensor:
         """Position in its document (TND) or row (BSND) of every local query."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement query_positions")
 
+    @abstractmethod
     def query_valid(self, device=None) -> torch.Tensor:
         """Which local query rows are tokens (not BSND padding)."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement query_valid")
 
     # -- shared by every layout, built on the above ------------------------------------------
     def has_no_queries(self, query: torch.Tensor) -> bool:
