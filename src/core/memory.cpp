@@ -3,6 +3,7 @@
 #include <pthread.h>
 
 #include <atomic>
+#include <cstring>
 #include <cstdlib>
 #include <iomanip>
 #include <mutex>
@@ -39,10 +40,19 @@ void advise_huge_pages(void* data, std::size_t bytes) {
 
 namespace {
 
-// Buffers below this size come from plain new[]: cheap to fault in, and the
-// cache is for the big ones.
-constexpr std::size_t kCacheMin = std::size_t{4} << 20;
+// Buffers below this size come from plain new[] and go straight back. Larger
+// ones go through the cache: a kernel's per-thread scratch of a few hundred
+// KiB freed to the C library was unmapped or trimmed and faulted in again by
+// the next call, depending on malloc's adaptive thresholds (a decode attention
+// call at H = 16: ~320 page faults and 0.7 -> 1.5-2.5 ms in some processes, Zen 4 VM).
+constexpr std::size_t kCacheMin = std::size_t{64} << 10;
 
+// allocate_cached's buffers start with this header: the capacity of the
+// buffer as allocated or taken from the cache (up to twice the request), which
+// free_cached, told only the request, needs to give it back. Kept in the buffer
+// rather than in a table so that a fork child, which starts a fresh cache,
+// still frees its parent's buffers at their size.
+constexpr std::size_t kHeader = 64;
 std::size_t alignment_for(std::size_t bytes) { return bytes >= 2 * kHugePage ? kHugePage : 64; }
 
 // What dsa's allocator holds from the system (in use and cached), and the
@@ -116,12 +126,13 @@ class WorkspaceCache {
   // Only where no other thread can run: in a fork child.
   std::size_t limit_unlocked() const { return limit_; }
 
-  // A cached buffer of at least `bytes` (its capacity in *capacity), or null.
-  std::uint8_t* take(std::size_t bytes, std::size_t* capacity) {
+  // A cached buffer of at least `bytes` and at most `most` bytes (its
+  // capacity in *capacity), or null.
+  std::uint8_t* take(std::size_t bytes, std::size_t most, std::size_t* capacity) {
     std::lock_guard<std::mutex> lk(mutex_);
     auto best = idle_.end();
     for (auto it = idle_.begin(); it != idle_.end(); ++it)
-      if (it->bytes >= bytes && it->bytes / 2 <= bytes && (best == idle_.end() || it->bytes < best->bytes))
+      if (it->bytes >= bytes && it->bytes <= most && (best == idle_.end() || it->bytes < best->bytes))
         best = it;
     if (best == idle_.end()) return nullptr;
     std::uint8_t* p = best->data;
@@ -216,7 +227,10 @@ void run_kernel(const char* op, void (*body)(const void*), const void* context) 
       body(context);
       return;
     } catch (const AllocationFailure& e) {
-      // allocate_scratch released the cache and retried already.
+      // allocate_scratch released the cache and retried already; what the
+      // kernel held went back to the cache as it unwound: give that up too,
+      // the process is short of memory.
+      WorkspaceCache::instance().release();
       std::ostringstream mib;
       mib << std::fixed << std::setprecision(1) << static_cast<double>(e.bytes()) / (1 << 20);
       throw Error(ErrorKind::out_of_memory,
@@ -234,11 +248,30 @@ void run_kernel(const char* op, void (*body)(const void*), const void* context) 
   }
 }
 
+std::uint8_t* allocate_cached(std::size_t bytes) {
+  if (bytes < kCacheMin) return allocate_scratch(bytes);
+  const std::size_t want = bytes + kHeader;
+  std::size_t capacity = want;
+  std::uint8_t* p = WorkspaceCache::instance().take(want, 2 * want, &capacity);
+  if (!p) p = allocate_scratch(want);
+  std::memcpy(p, &capacity, sizeof capacity);
+  return p + kHeader;
+}
+
+void free_cached(std::uint8_t* p, std::size_t bytes) {
+  if (!p) return;
+  if (bytes < kCacheMin) return free_scratch(p, bytes);
+  std::uint8_t* base = p - kHeader;
+  std::size_t capacity;
+  std::memcpy(&capacity, base, sizeof capacity);
+  WorkspaceCache::instance().give(base, capacity);
+}
+
 alignas(64) std::uint8_t ScratchBuffer::empty_[64];
 
 ScratchBuffer::ScratchBuffer(std::size_t bytes) : capacity_(bytes) {
   if (bytes == 0) return;
-  if (bytes >= kCacheMin) data_ = WorkspaceCache::instance().take(bytes, &capacity_);
+  if (bytes >= kCacheMin) data_ = WorkspaceCache::instance().take(bytes, 2 * bytes, &capacity_);
   if (!data_) data_ = allocate_scratch(bytes);  // capacity_ is still `bytes`: take() sets it only on success
 }
 

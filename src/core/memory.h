@@ -19,8 +19,8 @@ namespace dsa::core {
 void advise_huge_pages(void* data, std::size_t bytes);
 
 // An uninitialised, 64-byte-aligned scratch buffer of `bytes` bytes (none for
-// 0), with the huge-page hint when it is large. Large ones come from and go
-// back to the workspace cache (dsa/backend.h: set_workspace_cache_limit).
+// 0), with the huge-page hint when it is large. Those of 64 KiB or more come
+// from and go back to the workspace cache (dsa/backend.h: set_workspace_cache_limit).
 // Why a class of its own: dsa's allocator throws this (never a bare
 // std::bad_alloc) so that the op boundary (run_kernel) can name the request.
 // It has already released the workspace cache and retried once.
@@ -42,8 +42,15 @@ class AllocationFailure : public std::bad_alloc {
 std::uint8_t* allocate_scratch(std::size_t bytes);
 void free_scratch(std::uint8_t* p, std::size_t bytes);
 
-// A std::allocator that goes through allocate_scratch, for the kernels'
-// per-thread scratch vectors: their failures then name the size too.
+// As allocate_scratch / free_scratch, but a buffer of 64 KiB or more is taken
+// from and given back to the workspace cache (free_cached is given the same
+// `bytes`): per-call scratch then stays mapped from one call to the next.
+std::uint8_t* allocate_cached(std::size_t bytes);
+void free_cached(std::uint8_t* p, std::size_t bytes);
+
+// A std::allocator that goes through allocate_cached, for the kernels'
+// per-thread scratch vectors: their failures then name the size too, and a
+// decode step's scratch is not faulted in afresh every call.
 template <class T>
 struct ScratchAllocator {
   using value_type = T;
@@ -52,9 +59,9 @@ struct ScratchAllocator {
   ScratchAllocator(const ScratchAllocator<U>&) noexcept {}
   T* allocate(std::size_t n) {
     if (n > static_cast<std::size_t>(-1) / sizeof(T)) throw AllocationFailure(static_cast<std::size_t>(-1));
-    return reinterpret_cast<T*>(allocate_scratch(n * sizeof(T)));
+    return reinterpret_cast<T*>(allocate_cached(n * sizeof(T)));
   }
-  void deallocate(T* p, std::size_t n) noexcept { free_scratch(reinterpret_cast<std::uint8_t*>(p), n * sizeof(T)); }
+  void deallocate(T* p, std::size_t n) noexcept { free_cached(reinterpret_cast<std::uint8_t*>(p), n * sizeof(T)); }
   template <class U>
   bool operator==(const ScratchAllocator<U>&) const noexcept { return true; }
 };

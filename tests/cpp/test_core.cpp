@@ -245,6 +245,43 @@ TEST(WorkspaceCache, ReusesIdleBuffersWithinItsLimit) {
   dsa::set_workspace_cache_limit(old_limit);
 }
 
+// The kernels' per-thread scratch vectors (ScratchVector) go through the cache
+// from 64 KiB: a decode call's scratch stays mapped for the next call instead of
+// being unmapped and faulted in again.
+TEST(WorkspaceCache, ScratchVectorsAreReusedFromTheCache) {
+  const std::size_t old_limit = dsa::workspace_cache_limit();
+  constexpr std::size_t kKiB = std::size_t{1} << 10;
+  dsa::release_workspace_cache();
+  dsa::set_workspace_cache_limit(std::size_t{64} << 20);
+  const float* first = nullptr;
+  {
+    dsa::core::ScratchVector<float> v(64 * kKiB);  // 256 KiB
+    first = v.data();
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(first) % 64, 0u);
+    v.back() = 1.0f;
+    EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);
+  }
+  const std::size_t idle = dsa::workspace_cache_bytes();
+  EXPECT_GE(idle, 256 * kKiB);  // the buffer and its small header
+  EXPECT_LT(idle, 257 * kKiB);
+  {
+    dsa::core::ScratchVector<float> again(48 * kKiB);  // 192 KiB: fits the idle one
+    EXPECT_EQ(again.data(), first);
+    EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);
+    dsa::core::ScratchVector<float> other(64 * kKiB);  // the idle one is taken: a new one
+    EXPECT_NE(other.data(), first);
+  }
+  EXPECT_GE(dsa::workspace_cache_bytes(), 2 * idle);
+  {
+    dsa::core::ScratchVector<float> tiny(1024);  // 4 KiB: plain allocation, never cached
+    (void)tiny;
+  }
+  EXPECT_LT(dsa::workspace_cache_bytes(), 2 * idle + 4 * kKiB);
+  dsa::release_workspace_cache();
+  EXPECT_EQ(dsa::workspace_cache_bytes(), 0u);
+  dsa::set_workspace_cache_limit(old_limit);
+}
+
 // Restores the allocator's cap and the cache's limit whatever a test does.
 struct AllocatorState {
   std::size_t cap = dsa::scratch_memory_limit(), cache = dsa::workspace_cache_limit();

@@ -98,7 +98,10 @@ def test_cache_is_released_so_a_larger_call_fits(allocator, workload):
     _C.set_scratch_memory_limit(others + large + small // 2)
     for a, b in zip(run(large_tokens), expected):
         assert torch.equal(a, b)
-    assert _C.workspace_cache_bytes() == large  # the small buffer went, the large one is idle now
+    # The small call's buffers went, the large call's are idle now: at most what it
+    # left behind alone (its per-thread scratch vectors are cached too, and those it
+    # had already returned when the cap was reached were given up with the small ones).
+    assert 0 < _C.workspace_cache_bytes() <= large
 
 
 def test_output_too_large_for_any_machine(allocator):
