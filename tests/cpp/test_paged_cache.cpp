@@ -300,13 +300,16 @@ TEST(PagedCache, ValidationReadsOnlyTheColumnsACallTouches) {
 
 // The decode kernels' FP8 -> bf16 pass: every ISA kernel writes the portable
 // kernel's bits (core::float_to_bf16 of table * scale) for all 256 codes, at
-// scales from tiny to huge and NaN.
+// scales from tiny to huge and NaN: the powers of two dsa_cache_write stores
+// (the AVX-512 kernel's integer route, 2^-117 .. 2^119, and either side of it)
+// and any other scale (its fp32 route).
 TEST(PagedCache, Fp8ToBf16KernelsAgreeOnEveryCode) {
   std::vector<std::uint8_t> codes(256 + 7);
   for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<std::uint8_t>(i * 37 + 11);
   for (int c = 0; c < 256; ++c) codes[c] = static_cast<std::uint8_t>(c);
   const auto& portable = dsa::cpu::dequant::portable_kernel();
-  for (float scale : {1.0f, 0x1p-126f, 0x1p-4f, 0x1p20f, 0x1p120f, std::numeric_limits<float>::quiet_NaN()}) {
+  for (float scale : {1.0f, 0x1p-126f, 0x1p-118f, 0x1p-117f, 0x1p-4f, 0x1p20f, 0x1p119f, 0x1p120f, 0.3f, -0.5f,
+                      -0x1p-4f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     std::vector<std::uint16_t> want(codes.size()), got(codes.size());
     portable.run(codes.data(), static_cast<std::int64_t>(codes.size()), scale, want.data());
     for (dsa::core::Isa isa : dsa_testing::distinct_paths()) {

@@ -1,7 +1,17 @@
-// Records to bf16, AVX-512F: 16 e4m3 codes per step decoded arithmetically
+// Records to bf16, AVX-512: 16 e4m3 codes per step decoded arithmetically
 // (sign, 4-bit exponent biased by 7, 3-bit mantissa; subnormals m * 2^-9;
 // 0x7f / 0xff NaN), times the scale, rounded as core::float_to_bf16 rounds.
+//
+// The scales dsa_cache_write stores are powers of two (core::e4m3_group_scale),
+// and a code times 2^k is then a bf16 value exactly: 32 codes per step go
+// straight to bf16 bits in 16-bit lanes (the code's exponent and mantissa
+// moved into place, k added to the exponent), about a quarter of the work of
+// the fp32 route, which stays for any other scale. At H = 16 heads the fp32
+// route took about as long per key as the attention's own products (Zen 4).
 #include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
 
 #include "core/numeric.h"
 #include "cpu/paged_cache/dequant.h"
@@ -9,7 +19,47 @@
 namespace dsa::cpu::dequant {
 namespace {
 
-void run_avx512(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) {
+// k where scale = 2^k and every nonzero e4m3 value (2^-9 .. 448 = 1.75 * 2^8)
+// times it is a normal bf16 number; otherwise false.
+bool normal_power_of_two(float scale, int* k) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &scale, 4);
+  const int biased = static_cast<int>(bits >> 23);  // the sign bit set makes this > 255
+  if ((bits & 0x7fffff) != 0 || biased < 1 || biased > 254) return false;
+  *k = biased - 127;
+  return *k >= 1 - 118 && *k <= 254 - 135;  // exponents 2^-9 .. 2^8 stay inside bf16's normal range
+}
+
+// 32 codes to bf16 bits, scale = 2^k (normal_power_of_two): a normal code
+// (exponent field e > 0) is bf16 with exponent e - 7 + 127 + k and its 3
+// mantissa bits on top of bf16's 7; the 8 subnormal magnitudes m * 2^-9 (and
+// zero) from a table; 0x7f / 0xff the table's unsigned NaN, 0x7fc0.
+void run_power_of_two(const std::uint8_t* codes, std::int64_t n, int k, std::uint16_t* out) {
+  alignas(64) static const std::uint16_t subnormal[32] = {
+      0x0000, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};  // m * 2^-9, m = 0..7
+  const __m512i table = _mm512_load_si512(subnormal);
+  const __m512i x7f = _mm512_set1_epi16(0x7f), bias = _mm512_set1_epi16(static_cast<short>(120 << 7));
+  const __m512i shift = _mm512_set1_epi16(static_cast<short>(k * 128)), nan = _mm512_set1_epi16(0x7fc0);
+  std::int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + i)));
+    const __m512i mag = _mm512_and_si512(c, x7f);
+    const __mmask32 small = _mm512_cmplt_epu16_mask(mag, _mm512_set1_epi16(8));  // exponent field 0
+    __m512i v = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), bias);
+    v = _mm512_mask_permutexvar_epi16(v, small, mag, table);
+    const __mmask32 zero = _mm512_cmpeq_epi16_mask(mag, _mm512_setzero_si512());
+    v = _mm512_mask_add_epi16(v, ~zero, v, shift);  // times 2^k; zero stays zero
+    v = _mm512_or_si512(v, _mm512_slli_epi16(_mm512_srli_epi16(c, 7), 15));  // the sign
+    v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, x7f), nan);
+    _mm512_storeu_si512(out + i, v);
+  }
+  const std::array<float, 256>& e4m3 = core::e4m3_table();
+  const float scale = std::ldexp(1.0f, k);
+  for (; i < n; ++i) out[i] = core::float_to_bf16(e4m3[codes[i]] * scale);
+}
+
+// Any scale: through fp32.
+void run_any_scale(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) {
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512i x7f = _mm512_set1_epi32(0x7f), seven = _mm512_set1_epi32(7);
   std::int64_t i = 0;
@@ -40,6 +90,12 @@ void run_avx512(const std::uint8_t* codes, std::int64_t n, float scale, std::uin
   }
   const std::array<float, 256>& table = core::e4m3_table();
   for (; i < n; ++i) out[i] = core::float_to_bf16(table[codes[i]] * scale);
+}
+
+void run_avx512(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) {
+  int k = 0;
+  if (normal_power_of_two(scale, &k)) run_power_of_two(codes, n, k, out);
+  else run_any_scale(codes, n, scale, out);
 }
 
 }  // namespace
