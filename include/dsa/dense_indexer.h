@@ -45,30 +45,29 @@ struct DenseIndexerKlParams {
   int num_threads = 0;
 };
 
+// Inputs of both directions: the indexer tensors as in dense_indexer_lse;
 // query [T, H, D] | [B, Sq, H, D]; key [S, Hk, D] (or [S, D] for Hk = 1) |
 // [B, Sk, Hk, D] / [B, Sk, D], H % Hk == 0; query_rope / key_rope optional with
 // the heads of query / key; softmax_max, softmax_sum [T, H] | [B, Sq, H] fp32;
-// indexer_lse [T] | [B, Sq] fp32; the indexer tensors as in dense_indexer_lse.
+// indexer_lse [T] | [B, Sq] fp32 (dense_indexer_lse's).
+struct DenseIndexerKlInputs {
+  TensorView index_query, index_key, head_weights, query, key, softmax_max, softmax_sum, indexer_lse, query_rope,
+      key_rope;
+};
+
 // loss: one fp32 element, written.
-void dense_indexer_kl_loss_fwd(const TensorView& index_query, const TensorView& index_key,
-                               const TensorView& head_weights, const TensorView& query,
-                               const TensorView& key, const TensorView& softmax_max,
-                               const TensorView& softmax_sum, const TensorView& indexer_lse,
-                               const TensorView& query_rope, const TensorView& key_rope,
-                               const DenseIndexerKlParams& params, const TensorView& loss,
-                               Backend backend = Backend::automatic);
+void dense_indexer_kl_loss_fwd(const DenseIndexerKlInputs& inputs, const DenseIndexerKlParams& params,
+                               const TensorView& loss, Backend backend = Backend::automatic);
 
 // Gradients of grad_loss * loss w.r.t. index_query, index_key, head_weights
 // (shapes and dtypes of the inputs, contiguous, overwritten). The teacher and
 // the student are recomputed block by block.
-void dense_indexer_kl_loss_bwd(const TensorView& index_query, const TensorView& index_key,
-                               const TensorView& head_weights, const TensorView& query,
-                               const TensorView& key, const TensorView& softmax_max,
-                               const TensorView& softmax_sum, const TensorView& indexer_lse,
-                               const TensorView& query_rope, const TensorView& key_rope,
-                               float grad_loss, const DenseIndexerKlParams& params,
-                               const TensorView& d_index_query, const TensorView& d_index_key,
-                               const TensorView& d_head_weights,
+struct DenseIndexerKlGrads {
+  TensorView d_index_query, d_index_key, d_head_weights;
+};
+
+void dense_indexer_kl_loss_bwd(const DenseIndexerKlInputs& inputs, float grad_loss,
+                               const DenseIndexerKlParams& params, const DenseIndexerKlGrads& grads,
                                Backend backend = Backend::automatic);
 
 }  // namespace dsa

@@ -37,7 +37,9 @@ struct KlLossParams {
   int num_threads = 0;
 };
 
-// Shapes (TND | BSND); bf16, fp16 or fp32 unless noted:
+// Inputs of both directions (the backward reads indices and the indexer side
+// only). Shapes (TND | BSND); bf16, fp16 or fp32 unless noted; absent views
+// are optional:
 //   query        [T, H, D]              | [B, Sq, H, D]
 //   kv           [S', D] / [S', 1, D]   | [B, Sk', D] / [B, Sk', 1, D], dtype of query
 //   indices      [T, K] / [T, 1, K]     | [B, Sq, K] / [B, Sq, 1, K]    int32,
@@ -47,25 +49,24 @@ struct KlLossParams {
 //   index_key    [S', Di] / [S', 1, Di] | [B, Sk', Di] / ...           dtype of index_query
 //   weights      [T, Hi]                | [B, Sq, Hi]
 //   sinks        [H] fp32, optional; query_rope [.., H, Dr] / key_rope [S', Dr], optional
-//   loss         one fp32 element, written
-//   score_grad   like indices (without the head dim), fp32, written; may be absent
-void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView& indices,
-                 const TensorView& softmax_max, const TensorView& softmax_sum,
-                 const TensorView& index_query, const TensorView& index_key,
-                 const TensorView& weights, const TensorView& sinks,
-                 const TensorView& query_rope, const TensorView& key_rope,
-                 const KlLossParams& params, const TensorView& loss,
-                 const TensorView& score_grad = TensorView{},
-                 Backend backend = Backend::automatic);
+struct KlLossInputs {
+  TensorView query, kv, indices, softmax_max, softmax_sum, index_query, index_key, weights, sinks, query_rope,
+      key_rope;
+};
+
+// Outputs (written): loss, one fp32 element; score_grad, shaped like indices
+// (without the head dim), fp32, may be absent.
+void kl_loss_fwd(const KlLossInputs& inputs, const KlLossParams& params, const TensorView& loss,
+                 const TensorView& score_grad = TensorView{}, Backend backend = Backend::automatic);
 
 // Gradients of grad_loss * loss w.r.t. the indexer inputs, from the forward's
-// score_grad. d_index_query / d_index_key / d_weights have the shapes and
-// dtypes of their inputs (contiguous) and are overwritten; rows and keys that
-// take part in no valid entry get 0.
-void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
-                 const TensorView& index_key, const TensorView& weights,
-                 const TensorView& score_grad, float grad_loss, const KlLossParams& params,
-                 const TensorView& d_index_query, const TensorView& d_index_key,
-                 const TensorView& d_weights, Backend backend = Backend::automatic);
+// score_grad: shapes and dtypes of their inputs (contiguous), overwritten;
+// rows and keys that take part in no valid entry get 0.
+struct KlLossGrads {
+  TensorView d_index_query, d_index_key, d_weights;
+};
+
+void kl_loss_bwd(const KlLossInputs& inputs, const TensorView& score_grad, float grad_loss,
+                 const KlLossParams& params, const KlLossGrads& grads, Backend backend = Backend::automatic);
 
 }  // namespace dsa

@@ -1,5 +1,3 @@
-#include <array>
-
 #include "tensor_view.h"
 
 namespace dsa::python {
@@ -10,8 +8,8 @@ using Cu = std::vector<std::int64_t>;
 
 namespace {
 
-// The ten inputs the dense KL's forward and backward both take, in their order.
-std::array<TensorView, 10> dense_inputs(const Arr& index_query, const Arr& index_key, const Arr& head_weights,
+// The inputs the dense KL's forward and backward both take.
+DenseIndexerKlInputs dense_inputs(const Arr& index_query, const Arr& index_key, const Arr& head_weights,
                                         const Arr& query, const Arr& key, const Arr& softmax_max,
                                         const Arr& softmax_sum, const Arr& indexer_lse, const OptArr& query_rope,
                                         const OptArr& key_rope) {
@@ -37,14 +35,14 @@ void register_kl_loss(nb::module_& m) {
           p.loss_coefficient = static_cast<float>(loss_coefficient);
           p.reduction = parse_reduction(reduction.c_str());
           const Backend b = parse_backend(backend);
-          const TensorView v[] = {to_view(query, "query"), to_view(kv, "kv"), to_view(indices, "indices"),
-                                  to_view(softmax_max, "softmax_max"), to_view(softmax_sum, "softmax_sum"),
-                                  to_view(index_query, "index_query"), to_view(index_key, "index_key"),
-                                  to_view(weights, "weights"), to_view(sinks, "sinks"),
-                                  to_view(query_rope, "query_rope"), to_view(key_rope, "key_rope"),
-                                  to_view(loss, "loss"), to_view(score_grad, "score_grad")};
+          const KlLossInputs in{to_view(query, "query"), to_view(kv, "kv"), to_view(indices, "indices"),
+                                to_view(softmax_max, "softmax_max"), to_view(softmax_sum, "softmax_sum"),
+                                to_view(index_query, "index_query"), to_view(index_key, "index_key"),
+                                to_view(weights, "weights"), to_view(sinks, "sinks"),
+                                to_view(query_rope, "query_rope"), to_view(key_rope, "key_rope")};
+          const TensorView out = to_view(loss, "loss"), sg = to_view(score_grad, "score_grad");
           nb::gil_scoped_release release;
-          kl_loss_fwd(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10], p, v[11], v[12], b);
+          kl_loss_fwd(in, p, out, sg, b);
         });
   m.def("kl_loss_bwd",
         [](Arr indices, Arr index_query, Arr index_key, Arr weights, Arr score_grad, double grad_loss,
@@ -55,12 +53,16 @@ void register_kl_loss(nb::module_& m) {
           p.cmp_ratio = cmp_ratio;
           set_sequence_params(p, std::move(cu_q), std::move(cu_k), layout, num_threads);
           const Backend b = parse_backend(backend);
-          const TensorView v[] = {to_view(indices, "indices"), to_view(index_query, "index_query"),
-                                  to_view(index_key, "index_key"), to_view(weights, "weights"),
-                                  to_view(score_grad, "score_grad"), to_view(d_index_query, "d_index_query"),
-                                  to_view(d_index_key, "d_index_key"), to_view(d_weights, "d_weights")};
+          KlLossInputs in;
+          in.indices = to_view(indices, "indices");
+          in.index_query = to_view(index_query, "index_query");
+          in.index_key = to_view(index_key, "index_key");
+          in.weights = to_view(weights, "weights");
+          const TensorView sg = to_view(score_grad, "score_grad");
+          const KlLossGrads grads{to_view(d_index_query, "d_index_query"), to_view(d_index_key, "d_index_key"),
+                                  to_view(d_weights, "d_weights")};
           nb::gil_scoped_release release;
-          kl_loss_bwd(v[0], v[1], v[2], v[3], v[4], static_cast<float>(grad_loss), p, v[5], v[6], v[7], b);
+          kl_loss_bwd(in, sg, static_cast<float>(grad_loss), p, grads, b);
         });
   m.def("dense_indexer_lse",
         [](Arr index_query, Arr index_key, Arr head_weights, Arr lse, double scale, std::int64_t cmp_ratio, Cu cu_q,
@@ -97,7 +99,7 @@ void register_kl_loss(nb::module_& m) {
                                       indexer_lse, query_rope, key_rope);
           const TensorView out = to_view(loss, "loss");
           nb::gil_scoped_release release;
-          dense_indexer_kl_loss_fwd(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], p, out, b);
+          dense_indexer_kl_loss_fwd(v, p, out, b);
         });
   m.def("dense_indexer_kl_loss_bwd",
         [dense_params](Arr index_query, Arr index_key, Arr head_weights, Arr query, Arr key, Arr softmax_max,
@@ -110,11 +112,11 @@ void register_kl_loss(nb::module_& m) {
           const Backend b = parse_backend(backend);
           const auto v = dense_inputs(index_query, index_key, head_weights, query, key, softmax_max, softmax_sum,
                                       indexer_lse, query_rope, key_rope);
-          const TensorView dq = to_view(d_index_query, "d_index_query"), dk = to_view(d_index_key, "d_index_key"),
-                           dw = to_view(d_head_weights, "d_head_weights");
+          const DenseIndexerKlGrads grads{to_view(d_index_query, "d_index_query"),
+                                          to_view(d_index_key, "d_index_key"),
+                                          to_view(d_head_weights, "d_head_weights")};
           nb::gil_scoped_release release;
-          dense_indexer_kl_loss_bwd(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9],
-                                    static_cast<float>(grad_loss), p, dq, dk, dw, b);
+          dense_indexer_kl_loss_bwd(v, static_cast<float>(grad_loss), p, grads, b);
         });
 }
 

@@ -48,12 +48,10 @@ SequencePlan plan_for(const TensorView& index_query, const TensorView& index_key
 }
 
 // Builds the dense KL problem shared by the forward and the backward.
-DenseKlProblem make_dense_kl(const TensorView& index_query, const TensorView& index_key,
-                             const TensorView& head_weights, const TensorView& query,
-                             const TensorView& key, const TensorView& softmax_max,
-                             const TensorView& softmax_sum, const TensorView& indexer_lse,
-                             const TensorView& query_rope, const TensorView& key_rope,
-                             const DenseIndexerKlParams& params, Backend& backend) {
+DenseKlProblem make_dense_kl(const DenseIndexerKlInputs& in, const DenseIndexerKlParams& params, Backend& backend) {
+  const TensorView &index_query = in.index_query, &index_key = in.index_key, &head_weights = in.head_weights,
+                   &query = in.query, &key = in.key, &softmax_max = in.softmax_max, &softmax_sum = in.softmax_sum,
+                   &indexer_lse = in.indexer_lse, &query_rope = in.query_rope, &key_rope = in.key_rope;
   const bool tnd = params.layout == Layout::TND;
   const int lead = tnd ? 0 : 1;
   require_float_input(query, "query", {3 + lead}, tnd ? "[T, H, D]" : "[B, Sq, H, D]");
@@ -139,15 +137,9 @@ void dense_indexer_lse(const TensorView& index_query, const TensorView& index_ke
   ops::dispatch(&ops::OpTable::dense_indexer_lse, backend, p);
 }
 
-void dense_indexer_kl_loss_fwd(const TensorView& index_query, const TensorView& index_key,
-                               const TensorView& head_weights, const TensorView& query,
-                               const TensorView& key, const TensorView& softmax_max,
-                               const TensorView& softmax_sum, const TensorView& indexer_lse,
-                               const TensorView& query_rope, const TensorView& key_rope,
-                               const DenseIndexerKlParams& params, const TensorView& loss,
-                               Backend backend) {
-  DenseKlProblem p = make_dense_kl(index_query, index_key, head_weights, query, key, softmax_max,
-                                   softmax_sum, indexer_lse, query_rope, key_rope, params, backend);
+void dense_indexer_kl_loss_fwd(const DenseIndexerKlInputs& inputs, const DenseIndexerKlParams& params,
+                               const TensorView& loss, Backend backend) {
+  DenseKlProblem p = make_dense_kl(inputs, params, backend);
   require_present(loss, "loss");
   require_cpu(loss, "loss");
   require_dtype(loss, "loss", {DType::f32});
@@ -156,24 +148,18 @@ void dense_indexer_kl_loss_fwd(const TensorView& index_query, const TensorView& 
   ops::dispatch(&ops::OpTable::dense_indexer_kl_loss_fwd, backend, p);
 }
 
-void dense_indexer_kl_loss_bwd(const TensorView& index_query, const TensorView& index_key,
-                               const TensorView& head_weights, const TensorView& query,
-                               const TensorView& key, const TensorView& softmax_max,
-                               const TensorView& softmax_sum, const TensorView& indexer_lse,
-                               const TensorView& query_rope, const TensorView& key_rope,
-                               float grad_loss, const DenseIndexerKlParams& params,
-                               const TensorView& d_index_query, const TensorView& d_index_key,
-                               const TensorView& d_head_weights, Backend backend) {
-  DenseKlProblem p = make_dense_kl(index_query, index_key, head_weights, query, key, softmax_max,
-                                   softmax_sum, indexer_lse, query_rope, key_rope, params, backend);
+void dense_indexer_kl_loss_bwd(const DenseIndexerKlInputs& inputs, float grad_loss,
+                               const DenseIndexerKlParams& params, const DenseIndexerKlGrads& grads,
+                               Backend backend) {
+  DenseKlProblem p = make_dense_kl(inputs, params, backend);
   if (!std::isfinite(grad_loss)) fail_argument("grad_loss: expected a finite number, got ", grad_loss);
-  detail::require_gradient_output(d_index_query, index_query, "d_index_query");
-  detail::require_gradient_output(d_index_key, index_key, "d_index_key");
-  detail::require_gradient_output(d_head_weights, head_weights, "d_head_weights");
+  detail::require_gradient_output(grads.d_index_query, inputs.index_query, "d_index_query");
+  detail::require_gradient_output(grads.d_index_key, inputs.index_key, "d_index_key");
+  detail::require_gradient_output(grads.d_head_weights, inputs.head_weights, "d_head_weights");
   p.grad_loss = grad_loss;
-  p.d_index_query = d_index_query.data;
-  p.d_index_key = d_index_key.data;
-  p.d_weights = d_head_weights.data;
+  p.d_index_query = grads.d_index_query.data;
+  p.d_index_key = grads.d_index_key.data;
+  p.d_weights = grads.d_head_weights.data;
   ops::dispatch(&ops::OpTable::dense_indexer_kl_loss_bwd, backend, p);
 }
 

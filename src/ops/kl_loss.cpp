@@ -135,13 +135,11 @@ void set_indexer_side(SparseKlIndexerSide& p, const TensorView& indices, const T
 
 }  // namespace
 
-void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView& indices,
-                 const TensorView& softmax_max, const TensorView& softmax_sum,
-                 const TensorView& index_query, const TensorView& index_key,
-                 const TensorView& weights, const TensorView& sinks,
-                 const TensorView& query_rope, const TensorView& key_rope,
-                 const KlLossParams& params, const TensorView& loss,
+void kl_loss_fwd(const KlLossInputs& in, const KlLossParams& params, const TensorView& loss,
                  const TensorView& score_grad, Backend backend) {
+  const TensorView &query = in.query, &kv = in.kv, &indices = in.indices, &softmax_max = in.softmax_max,
+                   &softmax_sum = in.softmax_sum, &index_query = in.index_query, &index_key = in.index_key,
+                   &weights = in.weights, &sinks = in.sinks, &query_rope = in.query_rope, &key_rope = in.key_rope;
   const bool tnd = params.layout == Layout::TND;
   const int lead = tnd ? 0 : 1;
   require_float_input(query, "query", {3 + lead}, tnd ? "[T, H, D]" : "[B, Sq, H, D]");
@@ -203,11 +201,12 @@ void kl_loss_fwd(const TensorView& query, const TensorView& kv, const TensorView
   ops::dispatch(&ops::OpTable::kl_loss_fwd, backend, p);
 }
 
-void kl_loss_bwd(const TensorView& indices, const TensorView& index_query,
-                 const TensorView& index_key, const TensorView& weights,
-                 const TensorView& score_grad, float grad_loss, const KlLossParams& params,
-                 const TensorView& d_index_query, const TensorView& d_index_key,
-                 const TensorView& d_weights, Backend backend) {
+void kl_loss_bwd(const KlLossInputs& in, const TensorView& score_grad, float grad_loss, const KlLossParams& params,
+                 const KlLossGrads& grads, Backend backend) {
+  const TensorView &indices = in.indices, &index_query = in.index_query, &index_key = in.index_key,
+                   &weights = in.weights;
+  const TensorView &d_index_query = grads.d_index_query, &d_index_key = grads.d_index_key,
+                   &d_weights = grads.d_weights;
   const bool tnd = params.layout == Layout::TND;
   const int lead = tnd ? 0 : 1;
   require_float_input(index_query, "index_query", {3 + lead}, tnd ? "[T, Hi, Di]" : "[B, Sq, Hi, Di]");

@@ -164,11 +164,12 @@ SparseResult run_sparse(SparseCase& c, Backend backend, int threads, bool with_s
   TensorView idx = make_view(c.idx.data(), DType::i32, {c.T, c.K});
   TensorView sinks = with_sinks ? make_view(c.sinks.data(), DType::f32, {c.H}) : TensorView{};
   const KlLossParams p = c.params(threads);
-  kl_loss_fwd(c.q.view(), c.kv.view(), idx, c.mx.view(), c.sm.view(), c.iq.view(), c.ik.view(), c.w.view(), sinks,
-              TensorView{}, TensorView{}, p, make_view(&r.loss, DType::f32, {1}),
+  kl_loss_fwd({c.q.view(), c.kv.view(), idx, c.mx.view(), c.sm.view(), c.iq.view(), c.ik.view(), c.w.view(), sinks,
+              TensorView{}, TensorView{}}, p, make_view(&r.loss, DType::f32, {1}),
               make_view(r.score_grad.data(), DType::f32, {c.T, c.K}), backend);
-  kl_loss_bwd(idx, c.iq.view(), c.ik.view(), c.w.view(), make_view(r.score_grad.data(), DType::f32, {c.T, c.K}), 0.8f, p,
-              r.dq.view(), r.dk.view(), r.dw.view(), backend);
+  kl_loss_bwd({.indices = idx, .index_query = c.iq.view(), .index_key = c.ik.view(), .weights = c.w.view()},
+              make_view(r.score_grad.data(), DType::f32, {c.T, c.K}), 0.8f, p, {r.dq.view(), r.dk.view(),
+              r.dw.view()}, backend);
   return r;
 }
 
@@ -352,10 +353,11 @@ DenseResult run_dense(DenseCase& c, Backend backend, int threads, Reduction redu
   // Both backends consume the reference lse so the KL comparison isolates the KL kernels.
   dense_indexer_lse(c.iq.view(), c.ik.view(), c.w.view(), lp, c.lse.view(), Backend::reference);
   const auto p = c.params(threads, reduction);
-  dense_indexer_kl_loss_fwd(c.iq.view(), c.ik.view(), c.w.view(), c.q.view(), c.k.view(), c.mx.view(), c.sm.view(),
-                            c.lse.view(), c.qr.view(), c.kr.view(), p, make_view(&r.loss, DType::f32, {1}), backend);
-  dense_indexer_kl_loss_bwd(c.iq.view(), c.ik.view(), c.w.view(), c.q.view(), c.k.view(), c.mx.view(), c.sm.view(),
-                            c.lse.view(), c.qr.view(), c.kr.view(), 1.3f, p, r.dq.view(), r.dk.view(), r.dw.view(), backend);
+  dense_indexer_kl_loss_fwd({c.iq.view(), c.ik.view(), c.w.view(), c.q.view(), c.k.view(), c.mx.view(), c.sm.view(),
+                            c.lse.view(), c.qr.view(), c.kr.view()}, p, make_view(&r.loss, DType::f32, {1}), backend);
+  dense_indexer_kl_loss_bwd({c.iq.view(), c.ik.view(), c.w.view(), c.q.view(), c.k.view(), c.mx.view(), c.sm.view(),
+                            c.lse.view(), c.qr.view(), c.kr.view()}, 1.3f, p, {r.dq.view(), r.dk.view(), r.dw.view()},
+                            backend);
   return r;
 }
 
@@ -515,12 +517,13 @@ TEST(KlLoss, IndicesOutsideTheirSequenceAreRefused) {
                          zeros(c.w.shape, c.dtype)};
           TensorView idx = make_view(c.idx.data(), DType::i32, {c.T, c.K});
           const KlLossParams p = c.params(2);
-          kl_loss_fwd(c.q.view(), c.kv.view(), idx, c.mx.view(), c.sm.view(), c.iq.view(), c.ik.view(), c.w.view(),
-                      TensorView{}, TensorView{}, TensorView{}, p, make_view(&r.loss, DType::f32, {1}),
+          kl_loss_fwd({c.q.view(), c.kv.view(), idx, c.mx.view(), c.sm.view(), c.iq.view(), c.ik.view(), c.w.view(),
+                      TensorView{}, TensorView{}, TensorView{}}, p, make_view(&r.loss, DType::f32, {1}),
                       make_view(r.score_grad.data(), DType::f32, {c.T, c.K}), backend);
           slot = bad;
-          kl_loss_bwd(idx, c.iq.view(), c.ik.view(), c.w.view(), make_view(r.score_grad.data(), DType::f32, {c.T, c.K}),
-                      0.8f, p, r.dq.view(), r.dk.view(), r.dw.view(), backend);
+          kl_loss_bwd({.indices = idx, .index_query = c.iq.view(), .index_key = c.ik.view(), .weights = c.w.view()},
+                      make_view(r.score_grad.data(), DType::f32, {c.T, c.K}), 0.8f, p, {r.dq.view(), r.dk.view(),
+                      r.dw.view()}, backend);
           ADD_FAILURE() << "no error, ratio " << ratio << (in_bwd ? " (backward)" : " (forward)");
         } catch (const Error& e) {
           EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
@@ -535,8 +538,8 @@ TEST(KlLoss, BadInputsRejectedWithoutWriting) {
   float loss = 123.0f;
   TensorView idx = make_view(c.idx.data(), DType::i32, {c.T, c.K});
   auto call = [&](const TensorView& q, const TensorView& kv, const TensorView& i, KlLossParams p) {
-    kl_loss_fwd(q, kv, i, c.mx.view(), c.sm.view(), c.iq.view(), c.ik.view(), c.w.view(), TensorView{}, TensorView{},
-                TensorView{}, p, make_view(&loss, DType::f32, {1}), TensorView{}, Backend::cpu);
+    kl_loss_fwd({q, kv, i, c.mx.view(), c.sm.view(), c.iq.view(), c.ik.view(), c.w.view(), TensorView{}, TensorView{},
+                TensorView{}}, p, make_view(&loss, DType::f32, {1}), TensorView{}, Backend::cpu);
   };
   auto expect_invalid = [&](auto&& fn, const char* name) {
     try {
@@ -579,11 +582,11 @@ TEST(KlLoss, ZeroHeadDimMatchesReference) {
   std::vector<float> score_grad(2 * T * K, -1.0f);
   const Backend backends[2] = {Backend::reference, Backend::cpu};
   for (int b = 0; b < 2; ++b)
-    kl_loss_fwd(make_view(&q, DType::f32, {T, 1, 0}), make_view(&kv, DType::f32, {T, 0}),
+    kl_loss_fwd({make_view(&q, DType::f32, {T, 1, 0}), make_view(&kv, DType::f32, {T, 0}),
                 make_view(idx.data(), DType::i32, {T, K}), make_view(mx.data(), DType::f32, {T, 1}),
                 make_view(sm.data(), DType::f32, {T, 1}), make_view(iq.data(), DType::f32, {T, 1, Di}),
                 make_view(ik.data(), DType::f32, {T, Di}), make_view(w.data(), DType::f32, {T, 1}), TensorView{},
-                TensorView{}, TensorView{}, KlLossParams{}, make_view(&loss[b], DType::f32, {1}),
+                TensorView{}, TensorView{}}, KlLossParams{}, make_view(&loss[b], DType::f32, {1}),
                 make_view(score_grad.data() + b * T * K, DType::f32, {T, K}), backends[b]);
   EXPECT_GT(loss[0], 0.0f);  // the uniform teacher differs from the indexer's softmax
   EXPECT_NEAR(loss[1], loss[0], 1e-6f);
@@ -608,21 +611,22 @@ TEST(KlLoss, NoQueryRowsWithHugeHeadsOrDims) {
   const TensorView none = make_view(&f, DType::f32, {0, 1}), iq = make_view(&f, DType::f32, {0, 1, 1});
   for (Backend backend : {Backend::reference, Backend::cpu}) {
     float loss = -1.0f;
-    kl_loss_fwd(empty(&f, DType::f32, {0, 1, 1}, 1), none, make_view(&idx, DType::i32, {0, 1}),
+    kl_loss_fwd({empty(&f, DType::f32, {0, 1, 1}, 1), none, make_view(&idx, DType::i32, {0, 1}),
                 empty(&f, DType::f32, {0, 1}, 1), empty(&f, DType::f32, {0, 1}, 1), iq, none, none, TensorView{},
-                TensorView{}, TensorView{}, KlLossParams{}, make_view(&loss, DType::f32, {1}), TensorView{}, backend);
+                TensorView{}, TensorView{}}, KlLossParams{}, make_view(&loss, DType::f32, {1}), TensorView{},
+                backend);
     EXPECT_EQ(loss, 0.0f) << backend_name(backend);
     loss = -1.0f;
-    dense_indexer_kl_loss_fwd(iq, none, none, empty(&f, DType::f32, {0, 3, 1}, 2), empty(&f, DType::f32, {0, 1}, 1),
+    dense_indexer_kl_loss_fwd({iq, none, none, empty(&f, DType::f32, {0, 3, 1}, 2), empty(&f, DType::f32, {0, 1}, 1),
                               make_view(&f, DType::f32, {0, 3}), make_view(&f, DType::f32, {0, 3}),
-                              make_view(&f, DType::f32, {0}), TensorView{}, TensorView{}, DenseIndexerKlParams{},
+                              make_view(&f, DType::f32, {0}), TensorView{}, TensorView{}}, DenseIndexerKlParams{},
                               make_view(&loss, DType::f32, {1}), backend);
     EXPECT_EQ(loss, 0.0f) << backend_name(backend);
     // The backward with Di = 2^40 (its per-thread dq buffers).
     const TensorView wide_iq = empty(&f, DType::f32, {0, 1, 1}, 2), wide_ik = empty(&f, DType::f32, {0, 1}, 1);
-    dense_indexer_kl_loss_bwd(wide_iq, wide_ik, none, iq, none, make_view(&f, DType::f32, {0, 1}),
+    dense_indexer_kl_loss_bwd({wide_iq, wide_ik, none, iq, none, make_view(&f, DType::f32, {0, 1}),
                               make_view(&f, DType::f32, {0, 1}), make_view(&f, DType::f32, {0}), TensorView{},
-                              TensorView{}, 1.0f, DenseIndexerKlParams{}, wide_iq, wide_ik, none, backend);
+                              TensorView{}}, 1.0f, DenseIndexerKlParams{}, {wide_iq, wide_ik, none}, backend);
   }
 }
 
@@ -647,10 +651,11 @@ TEST(KlLoss, SparseBackwardWithoutQueryRowsAndHugeIndexHeads) {
     KlLossParams params;
     params.cu_seqlens_q = {0, 0};
     params.cu_seqlens_k = {0, S};
-    EXPECT_NO_THROW(kl_loss_bwd(make_view(&idx, DType::i32, {0, 4}), no_rows({0, 1, Di}),
-                                make_view(index_key.data(), DType::f32, {S, Di}), no_rows({0, 1}),
-                                make_view(&f, DType::f32, {0, 4}), 1.0f, params, no_rows({0, 1, Di}),
-                                make_view(d_index_key.data(), DType::f32, {S, Di}), no_rows({0, 1}), Backend::cpu))
+    EXPECT_NO_THROW(kl_loss_bwd({.indices = make_view(&idx, DType::i32, {0, 4}), .index_query = no_rows({0, 1, Di}),
+                                .index_key = make_view(index_key.data(), DType::f32, {S, Di}),
+                                .weights = no_rows({0, 1})}, make_view(&f, DType::f32, {0, 4}), 1.0f, params,
+                                {no_rows({0, 1, Di}), make_view(d_index_key.data(), DType::f32, {S, Di}),
+                                no_rows({0, 1})}, Backend::cpu))
         << core::isa_name(core::cpu_isa());
     for (float g : d_index_key) ASSERT_EQ(g, 0.0f) << core::isa_name(core::cpu_isa());
   }
@@ -675,10 +680,10 @@ TEST(KlLoss, SparseForwardWithoutKeyRowsAndHugeKeyDim) {
     params.cmp_ratio = 4;
     params.cu_seqlens_q = {0, T};
     params.cu_seqlens_k = {0, T};
-    EXPECT_NO_THROW(kl_loss_fwd(query, kv, make_view(idx.data(), DType::i32, {T, K}),
+    EXPECT_NO_THROW(kl_loss_fwd({query, kv, make_view(idx.data(), DType::i32, {T, K}),
                                 make_view(&f, DType::f32, {T, 0}), make_view(&f, DType::f32, {T, 0}),
                                 make_view(iq.data(), DType::f32, {T, Hi, Di}), make_view(&f, DType::f32, {0, Di}),
-                                make_view(w.data(), DType::f32, {T, Hi}), TensorView{}, TensorView{}, TensorView{},
+                                make_view(w.data(), DType::f32, {T, Hi}), TensorView{}, TensorView{}, TensorView{}},
                                 params, make_view(&loss, DType::f32, {1}), TensorView{}, Backend::cpu))
         << core::isa_name(core::cpu_isa());
     EXPECT_EQ(loss, 0.0f) << core::isa_name(core::cpu_isa());
@@ -696,8 +701,8 @@ TEST(KlLoss, RopeDimWhoseSumWithDOverflowsIsRejected) {
   const TensorView rows = make_view(&f, DType::f32, {0, 1}), heads = make_view(&f, DType::f32, {0, 1, 1});
   for (Backend backend : {Backend::reference, Backend::cpu}) {
     try {
-      kl_loss_fwd(heads, rows, make_view(&idx, DType::i32, {0, 1}), rows, rows, heads, rows, rows, TensorView{},
-                  query_rope, key_rope, KlLossParams{}, make_view(&loss, DType::f32, {1}), TensorView{}, backend);
+      kl_loss_fwd({heads, rows, make_view(&idx, DType::i32, {0, 1}), rows, rows, heads, rows, rows, TensorView{},
+                  query_rope, key_rope}, KlLossParams{}, make_view(&loss, DType::f32, {1}), TensorView{}, backend);
       ADD_FAILURE() << "accepted D + Dr beyond int64";
     } catch (const Error& e) {
       EXPECT_EQ(e.kind(), ErrorKind::invalid_argument);
@@ -732,18 +737,19 @@ TEST(KlLoss, NegativeKeyRowsRejected) {
     KlLossParams sparse;
     sparse.cmp_ratio = 4;  // index_key holds compressed entries: none for T = 0 queries
     expect_invalid([&] {
-      kl_loss_bwd(make_view(&idx, DType::i32, {0, 1}), make_view(&iq, DType::f32, {0, 1, 1}), negative_rows(&ik),
-                  make_view(&w, DType::f32, {0, 1}), make_view(&sg, DType::f32, {0, 1}), 1.0f, sparse,
-                  make_view(&d_iq, DType::f32, {0, 1, 1}), negative_rows(&d_ik), make_view(&d_w, DType::f32, {0, 1}),
-                  backend);
+      kl_loss_bwd({.indices = make_view(&idx, DType::i32, {0, 1}),
+                  .index_query = make_view(&iq, DType::f32, {0, 1, 1}), .index_key = negative_rows(&ik),
+                  .weights = make_view(&w, DType::f32, {0, 1})}, make_view(&sg, DType::f32, {0, 1}), 1.0f, sparse,
+                  {make_view(&d_iq, DType::f32, {0, 1, 1}), negative_rows(&d_ik),
+                  make_view(&d_w, DType::f32, {0, 1})}, backend);
     });
     expect_invalid([&] {
-      dense_indexer_kl_loss_bwd(make_view(&iq, DType::f32, {0, 1, 1}), negative_rows(&ik),
+      dense_indexer_kl_loss_bwd({make_view(&iq, DType::f32, {0, 1, 1}), negative_rows(&ik),
                                 make_view(&w, DType::f32, {0, 1}), make_view(&q, DType::f32, {0, 1, 1}),
                                 negative_rows(&k), make_view(&stat, DType::f32, {0, 1}),
                                 make_view(&stat, DType::f32, {0, 1}), make_view(&lse, DType::f32, {0}), TensorView{},
-                                TensorView{}, 1.0f, DenseIndexerKlParams{}, make_view(&d_iq, DType::f32, {0, 1, 1}),
-                                negative_rows(&d_ik), make_view(&d_w, DType::f32, {0, 1}), backend);
+                                TensorView{}}, 1.0f, DenseIndexerKlParams{}, {make_view(&d_iq, DType::f32, {0, 1, 1}),
+                                negative_rows(&d_ik), make_view(&d_w, DType::f32, {0, 1})}, backend);
     });
   }
 }

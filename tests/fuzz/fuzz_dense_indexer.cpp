@@ -69,21 +69,19 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         [&] { dsa::dense_indexer_lse(index_query, index_key, head_weights, lse_params, lse, backend); });
   if (!lse_ok || in.rare(8)) a.fill(lse, FloatFill{8.0f, in.rare(2)});
 
+  const dsa::DenseIndexerKlInputs inputs{index_query, index_key, head_weights, query, key, softmax_max, softmax_sum,
+                                         lse, query_rope, key_rope};
   Agreement fwd("dense_indexer_kl_loss_fwd");
   for (dsa::Backend backend : backends_used)
-    fwd.run([&] {
-      dsa::dense_indexer_kl_loss_fwd(index_query, index_key, head_weights, query, key, softmax_max, softmax_sum,
-                                     lse, query_rope, key_rope, kl_params, loss, backend);
-    });
+    fwd.run([&] { dsa::dense_indexer_kl_loss_fwd(inputs, kl_params, loss, backend); });
   TensorView d_index_query, d_index_key, d_head_weights;
   if (!a.like(d_index_query, index_query) || !a.like(d_index_key, index_key) || !a.like(d_head_weights, head_weights))
     return 0;
   Agreement bwd("dense_indexer_kl_loss_bwd");
   for (dsa::Backend backend : backends_used)
     bwd.run([&] {
-      dsa::dense_indexer_kl_loss_bwd(index_query, index_key, head_weights, query, key, softmax_max, softmax_sum,
-                                     lse, query_rope, key_rope, grad_loss, kl_params, d_index_query, d_index_key,
-                                     d_head_weights, backend);
+      dsa::dense_indexer_kl_loss_bwd(inputs, grad_loss, kl_params, {d_index_query, d_index_key, d_head_weights},
+                                     backend);
     });
   return 0;
 }

@@ -65,8 +65,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Agreement fwd("kl_loss_fwd");
   for (dsa::Backend backend : backends_used)
     forward_ok |= fwd.run([&] {
-      dsa::kl_loss_fwd(query, kv, indices, softmax_max, softmax_sum, index_query, index_key, weights, sinks,
-                       query_rope, key_rope, params, loss, score_grad, backend);
+      dsa::kl_loss_fwd({query, kv, indices, softmax_max, softmax_sum, index_query, index_key, weights, sinks,
+                        query_rope, key_rope},
+                       params, loss, score_grad, backend);
     });
 
   // The backward from the forward's score_grad, or from arbitrary values.
@@ -76,8 +77,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   Agreement bwd("kl_loss_bwd");
   for (dsa::Backend backend : backends_used)
     bwd.run([&] {
-      dsa::kl_loss_bwd(indices, index_query, index_key, weights, score_grad, grad_loss, params, d_index_query,
-                       d_index_key, d_weights, backend);
+      dsa::KlLossInputs inputs;
+      inputs.indices = indices, inputs.index_query = index_query, inputs.index_key = index_key;
+      inputs.weights = weights;
+      dsa::kl_loss_bwd(inputs, score_grad, grad_loss, params, {d_index_query, d_index_key, d_weights}, backend);
     });
   return 0;
 }
