@@ -52,11 +52,25 @@ struct Shape {
   std::int64_t qk_dim() const { return dim + rope_dim; }
 };
 
+// Key rows that are not rows of the kernel's dtype in memory (an FP8 record of a
+// paged cache): the kernel's gather has decode() write key k's `dim` bf16 values
+// (rope_dim is 0) where it would copy the row, so the record is decoded once for
+// every head and the fetch of the next block's records overlaps the products, as
+// for rows read in place. main[k] is then the record, record_bytes long (what
+// the kernel asks ahead for). Only kernels with AttentionKernel::decodes_rows
+// accept a decoder.
+struct RowDecoder {
+  void (*decode)(const void* context, std::int64_t k, std::uint16_t* out);
+  const void* context;
+  std::int64_t record_bytes;
+};
+
 // Row pointers of gathered keys (storage dtype); rope[i] is null when rope_dim == 0.
 struct KeyRows {
   const char* const* main;
   const char* const* rope;
   std::int64_t count;
+  const RowDecoder* decoder = nullptr;
 };
 
 // Softmax sum, and output scale, of a head that has keys but no logit above
@@ -71,9 +85,14 @@ inline constexpr float kNoNumberSum = std::numeric_limits<float>::quiet_NaN();
 // core to run ahead into the next one by itself. Measured on the fp32 FMA
 // forward (Zen 5, one thread, V3.2): 7-9% faster at 4-16 rows ahead.
 inline constexpr std::int64_t kPrefetchRows = 16;
+// Bytes of a key's main row as stored: the row, or the record a decoder reads.
+inline std::int64_t main_row_bytes(const Shape& s, const KeyRows& keys) {
+  return keys.decoder ? keys.decoder->record_bytes : s.dim * static_cast<std::int64_t>(dtype_size(s.dtype));
+}
+
 inline void prefetch_key_row(const Shape& s, const KeyRows& keys, std::int64_t k) {
   if (k >= keys.count) return;
-  const std::int64_t main_bytes = s.dim * static_cast<std::int64_t>(dtype_size(s.dtype));
+  const std::int64_t main_bytes = main_row_bytes(s, keys);
   for (std::int64_t byte = 0; byte < main_bytes; byte += 64) _mm_prefetch(keys.main[k] + byte, _MM_HINT_T0);
   if (s.rope_dim) _mm_prefetch(keys.rope[k], _MM_HINT_T0);
 }
@@ -82,7 +101,8 @@ inline void prefetch_key_row(const Shape& s, const KeyRows& keys, std::int64_t k
 // dims, the rope dims, zeros.
 inline void copy_key_row(const Shape& s, const KeyRows& keys, std::int64_t k, std::int64_t padded, char* row) {
   const std::size_t es = dtype_size(s.dtype);
-  std::memcpy(row, keys.main[k], s.dim * es);
+  if (keys.decoder) keys.decoder->decode(keys.decoder->context, k, reinterpret_cast<std::uint16_t*>(row));
+  else std::memcpy(row, keys.main[k], s.dim * es);
   if (s.rope_dim) std::memcpy(row + s.dim * es, keys.rope[k], s.rope_dim * es);
   std::memset(row + s.qk_dim() * es, 0, (padded - s.qk_dim()) * es);
 }
@@ -138,6 +158,9 @@ struct AttentionKernel {
   // instead, and d_main / d_rope are not touched (start_block_sums, keep_block_sums).
   void (*backward_key_block)(const Shape& shape, const KeyRows& block, const TokenEntries* tokens,
                              std::int64_t n_tokens, void* scratch, float* partial, void* d_main, void* d_rope);
+  // Whether forward_row reads keys with a RowDecoder (bf16 kernels that gather
+  // every key through copy_key_row).
+  bool decodes_rows = false;
 };
 
 // backward_key_block's fp32 sums `acc` [rows][stride] (stride >= qk_dim, rows

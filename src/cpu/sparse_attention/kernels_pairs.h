@@ -203,7 +203,8 @@ void interleave_rows(const std::uint16_t* a, const std::uint16_t* b, std::int64_
 // Asks for key row k, all of it, into L2 (below the L1 the current block works in).
 void prefetch_row_l2(const Shape& s, const KeyRows& keys, std::int64_t k) {
   const char* row = reinterpret_cast<const char*>(keys.main[k]);
-  for (std::int64_t byte = 0; byte < s.dim * 2; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T1);
+  const std::int64_t bytes = main_row_bytes(s, keys);
+  for (std::int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T1);
   if (s.rope_dim) _mm_prefetch(reinterpret_cast<const char*>(keys.rope[k]), _MM_HINT_T1);
 }
 
@@ -708,8 +709,9 @@ std::size_t pair_scratch_bytes(const Shape& s) {
 }  // namespace
 
 const AttentionKernel& DSA_PAIR_KERNEL_NAME() {
-  static const AttentionKernel kernel{DSA_PAIR_KERNEL_LABEL, pair_scratch_bytes, pair_packed_row_bytes, pair_forward_row,
-                                      pair_backward_query_row, pair_backward_key_block};
+  static const AttentionKernel kernel{DSA_PAIR_KERNEL_LABEL,  pair_scratch_bytes,      pair_packed_row_bytes,
+                                      pair_forward_row,       pair_backward_query_row, pair_backward_key_block,
+                                      /*decodes_rows=*/true};
   return kernel;
 }
 

@@ -6,7 +6,10 @@
 //
 // Keys: a bf16 or fp32 record is the kernel's row as it is (a pointer into the
 // cache, nothing copied); an FP8 record, or a storage dtype other than the
-// kernel's, is dequantised once into a per-thread buffer and serves every head.
+// kernel's, is dequantised once and serves every head: by the kernel's own
+// gather where it takes a RowDecoder (the bf16 pair kernels: the next block's
+// records are then fetched while the products run, as for bf16 records), else
+// into a per-thread buffer a piece at a time.
 // The kernel dtype is bf16 for bf16 queries over bf16 or FP8 caches (FP8
 // codes times power-of-two scales are bf16 values exactly), fp32 otherwise.
 //
@@ -131,12 +134,26 @@ struct Task {
   std::int64_t row, group;
 };
 
+// The RowDecoder of one piece: key k is records[k], from cmp where compressed[k].
+struct PieceRecords {
+  const SparseAttentionDecodeProblem* p;
+  const std::uint8_t* const* records;
+  const std::uint8_t* compressed;
+  const dequant::Fp8ToBf16* to_bf16;
+};
+
+void decode_record(const void* context, std::int64_t k, std::uint16_t* out) {
+  const auto& piece = *static_cast<const PieceRecords*>(context);
+  const core::PagedCache& cache = piece.compressed[k] ? piece.p->cmp : piece.p->kv;
+  dequant::record_to_bf16(cache, piece.records[k], out, *piece.to_bf16);
+}
+
 struct ThreadScratch {
   // dsa's allocator (a failure names its size; cached between calls) and left
   // uninitialised: zeroing the kernel's ~0.4 MiB every call was ~4 % of a call at H = 16.
   std::unique_ptr<core::ScratchBuffer> kernel;
   std::vector<const std::uint8_t*> records;  // the task's attended records, in order
-  std::vector<std::uint8_t> compressed;      // per record: from cmp (read only when a cache is dequantised)
+  std::vector<std::uint8_t> compressed;      // per record: from cmp (read only when a cache is decoded)
   std::vector<const char*> main;             // one piece's key rows as the kernel reads them
   std::unique_ptr<core::ScratchBuffer> decoded;  // [max_piece][dim] in the kernel dtype
   core::ScratchVector<float> query, piece_o, piece_m, piece_s;
@@ -152,8 +169,11 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
   const std::size_t kes = dtype_size(kdt);
   const bool kv_in_place = dequant::records_are_rows(p.kv, kdt),
              cmp_in_place = !p.has_cmp || dequant::records_are_rows(p.cmp, kdt);
-  const bool dequantising = !kv_in_place || !cmp_in_place;
   const AttentionKernel& kernel = pick_decode_kernel(kdt);
+  const bool in_kernel = kdt == DType::bf16 && kernel.decodes_rows && (!kv_in_place || !cmp_in_place);
+  const bool dequantising = !in_kernel && (!kv_in_place || !cmp_in_place);  // into a per-thread buffer
+  const std::int64_t record_bytes =
+      std::max(p.kv.token_bytes, p.has_cmp ? p.cmp.token_bytes : std::int64_t{0});
   const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
   Shape shape{kdt, H, D, 0, dv, p.scale};
   shape.bf16_p = true;
@@ -217,7 +237,7 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
     p.for_each_attended(b, j, [&](bool compressed, std::int64_t pos) {
       if (at >= lo && at < hi) {
         s.records.push_back(p.record(b, compressed, pos));
-        if (dequantising) s.compressed.push_back(compressed);
+        if (dequantising || in_kernel) s.compressed.push_back(compressed);
       }
       ++at;
     });
@@ -239,6 +259,10 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
       const std::int64_t n = std::max<std::int64_t>(0, std::min(split.piece, hi - lo - k0));
       for (std::int64_t k = 0; k < n; ++k) {
         const std::uint8_t* rec = s.records[k0 + k];
+        if (in_kernel) {  // the kernel decodes it
+          s.main[k] = reinterpret_cast<const char*>(rec);
+          continue;
+        }
         const bool compressed = dequantising && s.compressed[k0 + k];
         if (dequantising && k + kPrefetchRows < n) {
           // The records are a random walk over the cache: ask ahead, as the
@@ -259,7 +283,10 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
         else dequant::record_to_bf16(cache, rec, reinterpret_cast<std::uint16_t*>(dst), to_bf16);
         s.main[k] = dst;
       }
-      const KeyRows keys{s.main.data(), nullptr, n};
+      const PieceRecords piece_records{&p, s.records.data() + k0, in_kernel ? s.compressed.data() + k0 : nullptr,
+                                       &to_bf16};
+      const RowDecoder decoder{decode_record, &piece_records, record_bytes};
+      const KeyRows keys{s.main.data(), nullptr, n, in_kernel ? &decoder : nullptr};
       if (direct(task.row)) {
         const std::int64_t row = task.row;
         kernel.forward_row(shape, p.sinks, query, keys, s.aligned(),
