@@ -13,7 +13,6 @@
 #include <cmath>
 #include <cstring>
 
-#include "core/numeric.h"
 #include "cpu/paged_cache/dequant.h"
 
 namespace dsa::cpu::dequant {
@@ -53,9 +52,7 @@ void run_power_of_two(const std::uint8_t* codes, std::int64_t n, int k, std::uin
     v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, x7f), nan);
     _mm512_storeu_si512(out + i, v);
   }
-  const std::array<float, 256>& e4m3 = core::e4m3_table();
-  const float scale = std::ldexp(1.0f, k);
-  for (; i < n; ++i) out[i] = core::float_to_bf16(e4m3[codes[i]] * scale);
+  portable_kernel().run(codes + i, n - i, std::ldexp(1.0f, k), out + i);  // the last < 32 codes
 }
 
 // Any scale: through fp32.
@@ -88,8 +85,7 @@ void run_any_scale(const std::uint8_t* codes, std::int64_t n, float scale, std::
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
   }
-  const std::array<float, 256>& table = core::e4m3_table();
-  for (; i < n; ++i) out[i] = core::float_to_bf16(table[codes[i]] * scale);
+  portable_kernel().run(codes + i, n - i, scale, out + i);  // the last < 16 codes
 }
 
 void run_avx512(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) {

@@ -90,11 +90,14 @@ inline std::int64_t main_row_bytes(const Shape& s, const KeyRows& keys) {
   return keys.decoder ? keys.decoder->record_bytes : s.dim * static_cast<std::int64_t>(dtype_size(s.dtype));
 }
 
+// Hint: _MM_HINT_T0 for a row about to be copied, _MM_HINT_T1 for one a block ahead.
+template <decltype(_MM_HINT_T0) Hint = _MM_HINT_T0>  // GCC: enum _mm_hint; clang: int
 inline void prefetch_key_row(const Shape& s, const KeyRows& keys, std::int64_t k) {
   if (k >= keys.count) return;
   const std::int64_t main_bytes = main_row_bytes(s, keys);
-  for (std::int64_t byte = 0; byte < main_bytes; byte += 64) _mm_prefetch(keys.main[k] + byte, _MM_HINT_T0);
-  if (s.rope_dim) _mm_prefetch(keys.rope[k], _MM_HINT_T0);
+  for (std::int64_t byte = 0; byte < main_bytes; byte += 64)
+    _mm_prefetch(keys.main[k] + byte, Hint);
+  if (s.rope_dim) _mm_prefetch(keys.rope[k], Hint);
 }
 
 // Key k of `keys` as one contiguous row of `padded` storage elements: the main

@@ -200,14 +200,6 @@ void pack_query(const Shape& s, const Dims& d, const QueryRow& q, std::uint16_t*
 void interleave_rows(const std::uint16_t* a, const std::uint16_t* b, std::int64_t cols, std::int64_t cols_pad,
                      std::uint16_t* out, std::int64_t panel);
 
-// Asks for key row k, all of it, into L2 (below the L1 the current block works in).
-void prefetch_row_l2(const Shape& s, const KeyRows& keys, std::int64_t k) {
-  const char* row = reinterpret_cast<const char*>(keys.main[k]);
-  const std::int64_t bytes = main_row_bytes(s, keys);
-  for (std::int64_t byte = 0; byte < bytes; byte += 64) _mm_prefetch(row + byte, _MM_HINT_T1);
-  if (s.rope_dim) _mm_prefetch(reinterpret_cast<const char*>(keys.rope[k]), _MM_HINT_T1);
-}
-
 // Gathers up to kBlock keys into Kb and the first `vcols` dims of each pair of
 // keys into the paneled pair layout Vv [vpad / 16][kBlock / 2][16][2].
 //
@@ -226,7 +218,7 @@ void gather_block(const Shape& s, const Dims& d, const KeyRows& keys, std::int64
     std::uint16_t* row = kb + k * d.dp;
     if (k < n) {
       prefetch_key_row(s, keys, first + k + kPrefetchRows);
-      if (prefetch_next && first + kBlock + k < keys.count) prefetch_row_l2(s, keys, first + kBlock + k);
+      if (prefetch_next) prefetch_key_row<_MM_HINT_T1>(s, keys, first + kBlock + k);  // into L2, below this block
       copy_key_row(s, keys, first + k, d.dp, reinterpret_cast<char*>(row));
     } else {
       std::memset(row, 0, d.dp * 2);
