@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dsa
-from dsa.paged_cache import _cache_gather_op, _cache_write_op
+from dsa.paged_cache import _cache_gather_op, _cache_write_op, huge_page_zeros, new_paged_cache
 
 
 def layout_cases():
@@ -106,6 +106,22 @@ def test_ring_cache_keeps_the_last_window():
     # length, check that their window fits the ring.
     old = dsa.dsa_cache_gather(cache, table, torch.tensor([[1]]), dim=8, ring=True)
     assert old[0, 0, 0].item() == 9.0
+
+
+def test_new_cache_is_zeroed_and_starts_on_a_huge_page():
+    big = new_paged_cache(40, 576, rope_dim=64)  # 2.8 MiB: huge-page backed
+    assert big.shape == (40, 64, 1152) and big.dtype == torch.uint8 and big.is_contiguous()
+    assert big.data_ptr() % (2 << 20) == 0 and not big.any()
+    small = new_paged_cache(2, 128, rope_dim=0, dtype="fp8", block_size=16)  # under 2 MiB: plain zeros
+    assert small.shape == (2, 16, 132) and not small.any()
+    # Written and read back through the ops like any cache.
+    table = torch.arange(40, dtype=torch.int32).view(1, 40)
+    values = torch.randn(1, 100, 576).bfloat16()
+    pos = torch.arange(100, dtype=torch.int32).view(1, 100)
+    dsa.dsa_cache_write(big, table, pos, values, rope_dim=64, dtype="bf16")
+    back = dsa.dsa_cache_gather(big, table, pos, dim=576, rope_dim=64, dtype="bf16", out_dtype=torch.bfloat16)
+    assert torch.equal(back, values)
+    assert huge_page_zeros((3, 5)).shape == (3, 5)
 
 
 def test_bad_input_names_the_argument():

@@ -21,7 +21,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu/isa/line_drip.h"
+
 namespace dsa::cpu::avx512bf16 {
+namespace {  // internal linkage, as line_drip.h's LineDrip that PairGemm holds
 
 // Element offsets (bf16 elements for A and B, floats for C) of one product.
 //   A: row i, contraction chunk kc (32 bf16 = 16 pairs) at a + i * a_stride + kc * a_chunk
@@ -35,6 +38,9 @@ struct PairGemm {
   const std::uint16_t* b;
   std::int64_t b_stride, b_chunk, b_group;
   std::int64_t k_chunks;
+  // Lines to ask for while the product runs (line_drip.h): one step per
+  // contraction chunk of a register block.
+  LineDrip* drip = nullptr;
 };
 
 // Packed B tiles are kept as u32 pairs; the engine addresses them in bf16 elements.
@@ -56,7 +62,9 @@ template <int R, int N, int M = N>
 inline void accumulate(__m512 (&acc)[R][N], const PairGemm& g, std::int64_t row0, std::int64_t group0) {
   const std::uint16_t* a = g.a + row0 * g.a_stride;
   const std::uint16_t* b = g.b + group0 * g.b_group;
+  LineDrip* const drip = g.drip;
   for (std::int64_t kc = 0; kc < g.k_chunks; ++kc) {
+    if (drip) drip->step();
     const std::uint16_t* ak = a + kc * g.a_chunk;
     const std::uint16_t* bk = b + kc * g.b_chunk;
     for (int p = 0; p < 16; ++p) {
@@ -142,9 +150,21 @@ inline void gemm(bool accumulate, const PairGemm& g, std::int64_t m_rows, std::i
       rows_of(part, acc || k0 > 0, group0, n, nullptr, 0);
     }
   };
+  auto second_of = [&](std::int64_t group0, int n) {
+    return second ? static_cast<int>(std::clamp<std::int64_t>(n2_groups - group0, 0, n)) : 0;
+  };
+  if (g.drip) {  // one step per chunk of every register block, of both products
+    std::int64_t steps = 0;
+    for (std::int64_t group0 = 0; group0 < n_groups; group0 += kCols) {
+      const int n = static_cast<int>(std::min<std::int64_t>(kCols, n_groups - group0));
+      const std::int64_t blocks = (m_rows + detail::rows_for(n) - 1) / detail::rows_for(n);
+      steps += blocks * (g.k_chunks + (second_of(group0, n) > 0 ? second->k_chunks : 0));
+    }
+    g.drip->pace(steps);
+  }
   for (std::int64_t group0 = 0; group0 < n_groups; group0 += kCols) {
     const int n = static_cast<int>(std::min<std::int64_t>(kCols, n_groups - group0));
-    const int n2 = second ? static_cast<int>(std::clamp<std::int64_t>(n2_groups - group0, 0, n)) : 0;
+    const int n2 = second_of(group0, n);
     const PairGemm* sec = n2 > 0 ? second : nullptr;
     const std::int64_t slab = std::max<std::int64_t>(1, kSlabBytes / (n * kChunkGroupBytes));
     if (g.k_chunks > slab || (sec && sec->k_chunks > slab)) {
@@ -156,4 +176,5 @@ inline void gemm(bool accumulate, const PairGemm& g, std::int64_t m_rows, std::i
   }
 }
 
+}  // namespace
 }  // namespace dsa::cpu::avx512bf16

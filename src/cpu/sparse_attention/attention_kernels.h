@@ -49,6 +49,11 @@ struct Shape {
   // feeds no backward, and rounding P once is what the model's own bf16
   // attention does (docs/serving.md).
   bool bf16_p = false;
+  // The keys are scattered records of a paged cache far larger than the caches
+  // (the decode op): the pair kernels ask for the next block's records over the
+  // products (cpu/isa/line_drip.h) rather than during the block's copy. Off for
+  // prefill, whose keys mostly come from L2/L3 and gain nothing from it.
+  bool cache_keys = false;
   std::int64_t qk_dim() const { return dim + rope_dim; }
 };
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "cpu/isa/amx.h"
+#include "cpu/isa/line_drip.h"
 
 namespace dsa::cpu::attention_kernels {
 namespace {
@@ -20,8 +21,9 @@ constexpr std::int64_t kDenseSubBlockPercent = 50;
 // b + b_group; the second row / group only where two_m / two_n.
 inline void accumulate_tiles(const std::uint16_t* a, int as, std::int64_t a_stride, const std::uint16_t* b, int bs,
                              std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks, bool two_m,
-                             bool two_n) {
+                             bool two_n, LineDrip* drip) {
   for (std::int64_t kc = 0; kc < k_chunks; ++kc) {
+    if (drip) drip->step();
     _tile_loadd(4, a + kc * 32, as);
     _tile_loadd(6, b + kc * b_chunk, bs);
     _tile_dpbf16ps(0, 4, 6);
@@ -41,7 +43,13 @@ void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m
                 const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
                 std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks, std::int64_t n2_groups,
                 const std::uint16_t* a2, const std::uint16_t* b2, std::int64_t b2_stride, std::int64_t b2_chunk,
-                std::int64_t k2_chunks) {
+                std::int64_t k2_chunks, LineDrip* drip = nullptr) {
+  if (drip) {  // one step per chunk of every 2 x 2 tile block, of both products
+    const std::int64_t blocks_m = (m_tiles + 1) / 2;
+    std::int64_t steps = 0;
+    for (std::int64_t ng = 0; ng < n_groups; ng += 2) steps += blocks_m * (k_chunks + (ng < n2_groups ? k2_chunks : 0));
+    drip->pace(steps);
+  }
   const int cs = static_cast<int>(c_stride * 4), as = static_cast<int>(a_stride * 2), bs = static_cast<int>(b_stride * 2);
   const int b2s = static_cast<int>(b2_stride * 2);
   for (std::int64_t mt = 0; mt < m_tiles; mt += 2) {
@@ -62,10 +70,10 @@ void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m
         _tile_zero(3);
       }
       accumulate_tiles(a + mt * 16 * a_stride, as, a_stride, b + ng * b_group, bs, b_chunk, b_group, k_chunks,
-                       two_m, two_n);
+                       two_m, two_n, drip);
       if (ng < n2_groups)
         accumulate_tiles(a2 + mt * 16 * a_stride, as, a_stride, b2 + ng * b_group, b2s, b2_chunk, b_group,
-                         k2_chunks, two_m, ng + 1 < n2_groups);
+                         k2_chunks, two_m, ng + 1 < n2_groups, drip);
       _tile_stored(0, c00, cs);
       if (two_n) _tile_stored(1, c00 + 16, cs);
       if (two_m) _tile_stored(2, c10, cs);

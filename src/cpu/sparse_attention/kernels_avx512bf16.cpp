@@ -23,9 +23,10 @@ void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m
                 const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
                 std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks, std::int64_t n2_groups,
                 const std::uint16_t* a2, const std::uint16_t* b2, std::int64_t b2_stride, std::int64_t b2_chunk,
-                std::int64_t k2_chunks) {
-  const avx512bf16::PairGemm first{c, c_stride, 16, a, a_stride, 32, b, b_stride, b_chunk, b_group, k_chunks};
-  const avx512bf16::PairGemm second{c, c_stride, 16, a2, a_stride, 32, b2, b2_stride, b2_chunk, b_group, k2_chunks};
+                std::int64_t k2_chunks, LineDrip* drip = nullptr) {
+  const avx512bf16::PairGemm first{c, c_stride, 16, a, a_stride, 32, b, b_stride, b_chunk, b_group, k_chunks, drip};
+  const avx512bf16::PairGemm second{c, c_stride, 16, a2, a_stride, 32, b2, b2_stride, b2_chunk, b_group, k2_chunks,
+                                    drip};
   avx512bf16::gemm(accumulate, first, m_tiles * 16, n_groups, n2_groups > 0 ? &second : nullptr, n2_groups);
 }
 

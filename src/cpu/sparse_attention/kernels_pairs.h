@@ -36,7 +36,8 @@
 // A second product A2 . B2 (same strides as the first, k2_chunks deep) is
 // added to the column groups ng < n2_groups while their C tiles are resident:
 // the dkv pass adds its value part P^T.dO to the key part dS^T.Q that way, and
-// the forward Pl . V to Ph . V.
+// the forward Pl . V to Ph . V. Where a LineDrip is given (the last argument,
+// optional), the product paces its prefetches over its steps (cpu/isa/line_drip.h).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -46,6 +47,7 @@
 #include "core/numeric.h"
 #include "cpu/isa/avx512.h"
 #include "cpu/isa/fma.h"
+#include "cpu/isa/line_drip.h"
 #include "cpu/sparse_attention/attention_kernels.h"
 
 namespace dsa::cpu::attention_kernels {
@@ -72,9 +74,9 @@ constexpr std::int64_t paneled_elements(std::int64_t cols_pad, std::int64_t pair
 
 void tile_gemm(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m_tiles, std::int64_t n_groups,
                const std::uint16_t* a, std::int64_t a_stride, const std::uint16_t* b, std::int64_t b_stride,
-               std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks) {
+               std::int64_t b_chunk, std::int64_t b_group, std::int64_t k_chunks, LineDrip* drip = nullptr) {
   tile_gemm2(accumulate, c, c_stride, m_tiles, n_groups, a, a_stride, b, b_stride, b_chunk, b_group, k_chunks, 0,
-             nullptr, nullptr, 0, 0, 0);
+             nullptr, nullptr, 0, 0, 0, drip);
 }
 
 struct Dims {
@@ -203,14 +205,12 @@ void interleave_rows(const std::uint16_t* a, const std::uint16_t* b, std::int64_
 // Gathers up to kBlock keys into Kb and the first `vcols` dims of each pair of
 // keys into the paneled pair layout Vv [vpad / 16][kBlock / 2][16][2].
 //
-// prefetch_next (the forward): while copying its key k, also ask for key k of
-// the next block, so that block's scattered rows arrive while the products work
-// on this one (on AMX the tiles finish a block faster than the copy's own
-// look-ahead of kPrefetchRows can cover). Spread over the copy rather than
-// asked for in one burst after it: a burst of a block's 2304 lines (128 keys of
-// 1152 bytes) filled the core's miss buffers and stalled it until nearly all of
-// them had arrived, so the fetch did not overlap the products (decode at H = 16,
-// batch 16: 6.2-6.7 -> 5.4-5.8 ms; H = 128: 29.3 -> 28.0 ms; prefill unchanged; Zen 4).
+// prefetch_next (the prefill forward): while copying its key k, also ask for
+// key k of the next block, spread over the copy rather than in one burst after
+// it (a burst of a block's lines filled the core's miss buffers and stalled it
+// until nearly all had arrived). The decode forward spreads the same requests
+// over the products instead (Shape::cache_keys).
+
 void gather_block(const Shape& s, const Dims& d, const KeyRows& keys, std::int64_t first, std::int64_t n,
                   std::uint16_t* kb, std::uint16_t* vv, std::int64_t vcols, std::int64_t vpad,
                   bool prefetch_next = false) {
@@ -269,13 +269,29 @@ void pair_forward_row(const Shape& s, const float* sinks, const QueryRow& query,
   }
   const __m512 scale = _mm512_set1_ps(s.scale);
 
+  // Decode: the next block's records are asked for while this block's products
+  // run. Before (as prefill still does), during the copy, which stalled on them:
+  // H = 16, batch 16 over a huge-page cache 5.5-5.9 -> 4.9-5.0 ms (Zen 4).
+  LineDrip next_rows;
+  LineDrip* drip = s.cache_keys ? &next_rows : nullptr;
+  const std::int64_t main_bytes = main_row_bytes(s, keys), rope_bytes = s.rope_dim * dtype_size(s.dtype);
+  const std::int64_t row_lines = (main_bytes + 63) / 64 + 1 + (rope_bytes + 63) / 64;
+  const std::int64_t pv_parts = s.bf16_p ? 1 : 2;
   for (std::int64_t first = 0; first < keys.count; first += kBlock) {
     const std::int64_t n = std::min(kBlock, keys.count - first);
-    gather_block(s, d, keys, first, n, b.kb, b.vv, s.d_v, d.dvp, /*prefetch_next=*/true);
+    gather_block(s, d, keys, first, n, b.kb, b.vv, s.d_v, d.dvp, /*prefetch_next=*/!drip);
     const std::int64_t key_tiles = (n + 15) / 16;
+    const std::int64_t next = first + kBlock, n_next = std::clamp<std::int64_t>(keys.count - next, 0, kBlock);
+    if (drip) {
+      next_rows.reset(keys.main + next, main_bytes, s.rope_dim ? keys.rope + next : nullptr, rope_bytes, n_next);
+      // The key product's share of the lines: its share of the block's products.
+      const std::int64_t qk_work = key_tiles * d.groups * d.chunks,
+                         pv_work = d.groups * d.dv_groups * ((n + 31) / 32) * pv_parts;
+      next_rows.budget(n_next * row_lines * qk_work / (qk_work + pv_work));
+    }
 
     // S^T = Kb . Q^T.
-    tile_gemm(false, b.s, d.hp, key_tiles, d.groups, b.kb, d.dp, b.qb, 32, d.groups * 512, 512, d.chunks);
+    tile_gemm(false, b.s, d.hp, key_tiles, d.groups, b.kb, d.dp, b.qb, 32, d.groups * 512, 512, d.chunks, drip);
 
     // Online softmax, 16 heads per vector.
     for (std::int64_t g = 0; g < d.groups; ++g) {
@@ -324,8 +340,9 @@ void pair_forward_row(const Shape& s, const float* sinks, const QueryRow& query,
     // gradients measurably more error than its own attention (docs/sparse_attention.md).
     // With bf16_p (decode: no gradients) P is pa alone, one product.
     const std::int64_t v_chunks = (n + 31) / 32;
+    if (drip) next_rows.budget(n_next * row_lines);  // the rest
     tile_gemm2(true, b.o, d.dvp, d.groups, d.dv_groups, b.pa, kBlock, b.vv, 32, 512, panel_stride(kBlock / 2),
-               v_chunks, s.bf16_p ? 0 : d.dv_groups, b.pl, b.vv, 32, 512, v_chunks);
+               v_chunks, s.bf16_p ? 0 : d.dv_groups, b.pl, b.vv, 32, 512, v_chunks, drip);
   }
 
   auto* dst = static_cast<std::uint16_t*>(out);

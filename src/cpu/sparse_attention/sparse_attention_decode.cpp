@@ -177,6 +177,7 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
   const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
   Shape shape{kdt, H, D, 0, dv, p.scale};
   shape.bf16_p = true;
+  shape.cache_keys = true;
   Shape partial_shape = shape;
   partial_shape.out_fp32 = true;
 

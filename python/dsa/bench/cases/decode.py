@@ -24,7 +24,7 @@ from dsa import (dsa_cache_gather, dsa_compressor_append, dsa_indexer, dsa_index
                  dsa_sparse_attention_decode)
 from dsa.decode import new_compressor_state
 from dsa.bench.case import FUSED, NAIVE, Case
-from dsa.paged_cache import DEFAULT_BLOCK_SIZE, cache_token_bytes
+from dsa.paged_cache import DEFAULT_BLOCK_SIZE, cache_token_bytes, huge_page_zeros
 
 TODAY = "gather_prefill"
 BS = DEFAULT_BLOCK_SIZE
@@ -41,7 +41,7 @@ def random_cache(tokens: int, dim: int, rope: int, dtype: str, g: torch.Generato
     of 2 Mi tokens would dominate the set-up)."""
     blocks = -(-tokens // BS)
     tb = cache_token_bytes(dim, rope, dtype)
-    cache = torch.empty(blocks * BS, tb, dtype=torch.uint8)
+    cache = huge_page_zeros((blocks * BS, tb))  # allocated as new_paged_cache allocates it
     if dtype == "bf16":
         cache.view(-1).copy_(_finite_bf16_bytes(blocks * BS * dim, g))
     else:  # fp8: codes of either sign below NaN, scale 2^-4, bf16 RoPE
