@@ -41,6 +41,14 @@ def _config(world, cfg):
     return LONG[world] if cfg == "long" else CONFIGS[world][cfg]
 
 
+def _tnd_shard(ends, offsets, rank, balance):
+    """The TND shard of a case: the config's contiguous runs, or the zigzag split of the
+    same stream (chunks r and 2W-1-r of 2W; the configs' offsets are then unused)."""
+    if balance == "zigzag":
+        return cp.zigzag_tnd_shard(ends)
+    return cp.tnd_shard(ends, offsets[rank + 1] - offsets[rank])
+
+
 ZIGZAG = {2: (12, [12, 7, 2]), 4: (24, [24, 13, 5])}   # (S, row lengths): ends inside chunks, padded chunks
 
 
@@ -104,7 +112,7 @@ def _summed(t):
 
 # -- V3.2 ----------------------------------------------------------------------------------------
 
-def case_v32_sparse(chk, world, rank, cfg, coefficient):
+def case_v32_sparse(chk, world, rank, cfg, coefficient, balance="contiguous"):
     ends, offsets = CONFIGS[world][cfg]
     T, H, D, Dv, Dr, Hi, Di, K = ends[-1], 4, 40, 32, 8, 2, 16, 6
     r = _gen(11)
@@ -120,7 +128,7 @@ def case_v32_sparse(chk, world, rank, cfg, coefficient):
                          query_lengths=ends, key_lengths=ends, loss_coefficient=coefficient)
     ((out * g_up).sum() + kl).backward()
     # CP
-    shard = cp.tnd_shard(ends, offsets[rank + 1] - offsets[rank])
+    shard = _tnd_shard(ends, offsets, rank, balance)
     loc = lambda t: _leaf(cp.shard_rows(t, shard))  # noqa: E731
     q_l, kv_l, qr_l, kr_l, iq_l, ik_l, w_l = map(loc, (g_q, g_kv, g_qr, g_kr, g_iq, g_ik, g_w))
     kv_g, kr_g, ik_g = cp.gather(kv_l, shard), cp.gather(kr_l, shard), cp.gather(ik_l, shard)
@@ -186,7 +194,7 @@ def case_v32_sparse_bf16(chk, world, rank):
         chk.true(f"{n}: bf16 error {err:.3e} > bound {bound:.3e}", err <= bound)
 
 
-def case_v32_dense(chk, world, rank, cfg):
+def case_v32_dense(chk, world, rank, cfg, balance="contiguous"):
     ends, offsets = CONFIGS[world][cfg]
     T, H, D, Dv, Dr, Hi, Di = ends[-1], 4, 40, 32, 8, 2, 16
     r = _gen(12)
@@ -213,7 +221,7 @@ def case_v32_dense(chk, world, rank, cfg):
 
     ref_t = list(map(_leaf, (g_q, g_kv, g_qr, g_kr, g_iq, g_ik, g_w)))
     ref = run(*ref_t, g_up, None)
-    shard = cp.tnd_shard(ends, offsets[rank + 1] - offsets[rank])
+    shard = _tnd_shard(ends, offsets, rank, balance)
     rows = lambda t: cp.shard_rows(t, shard)  # noqa: E731
     loc = [_leaf(rows(t)) for t in (g_q, g_kv, g_qr, g_kr, g_iq, g_ik, g_w)]
     q_l, kv_l, qr_l, kr_l, iq_l, ik_l, w_l = loc
@@ -229,7 +237,7 @@ def case_v32_dense(chk, world, rank, cfg):
 
 # -- V4 -----------------------------------------------------------------------------------------
 
-def case_v4(chk, world, rank, cfg, ratio, use_indexer):
+def case_v4(chk, world, rank, cfg, ratio, use_indexer, balance="contiguous"):
     """V4 layer: sliding window + compressed part (CSA: compressor with overlap + indexer's
     own compressor + top-k + KL; HCA: every visible entry), with sinks."""
     ends, offsets = _config(world, cfg)
@@ -293,7 +301,7 @@ def case_v4(chk, world, rank, cfg, ratio, use_indexer):
     glob = (g_q, g_kv, g_ckv, g_cg, g_cb, g_ikv, g_ig, g_ib, g_iq, g_w, g_sinks)
     ref_t = dict(zip(names, map(_leaf, glob)))
     ref = run(*ref_t.values(), g_up, None)
-    shard = cp.tnd_shard(ends, offsets[rank + 1] - offsets[rank])
+    shard = _tnd_shard(ends, offsets, rank, balance)
     rows = lambda t: cp.shard_rows(t, shard)  # noqa: E731
     replicated = ("cb", "ib", "sinks")
     loc = {n: _leaf(t if n in replicated else rows(t)) for n, t in zip(names, glob)}
@@ -496,6 +504,10 @@ def cases(world):
     out.append(("v4_hca128_long", lambda c, w, r: case_v4(c, w, r, "long", 128, False)))
     out.append(("v4_sliding_fallback_ratio128", lambda c, w, r: case_v4(c, w, r, "straddle", 128, False)))
     out.append(("v4_fallback_decided_globally", case_v4_fallback))
+    out.append(("tnd_zigzag_v32_sparse", lambda c, w, r: case_v32_sparse(c, w, r, "straddle", 0.7, "zigzag")))
+    out.append(("tnd_zigzag_v32_dense", lambda c, w, r: case_v32_dense(c, w, r, "straddle", "zigzag")))
+    out.append(("tnd_zigzag_v4_csa", lambda c, w, r: case_v4(c, w, r, "straddle", 4, True, "zigzag")))
+    out.append(("tnd_zigzag_v4_hca8", lambda c, w, r: case_v4(c, w, r, "straddle", 8, False, "zigzag")))
     out.append(("bsnd_zigzag", case_zigzag))
     out.append(("bsnd_zigzag_dense", case_zigzag_dense))
     out.append(("bsnd_zigzag_v4_csa", lambda c, w, r: case_zigzag_v4(c, w, r, 4, True)))

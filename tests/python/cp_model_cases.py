@@ -19,8 +19,9 @@ import torch.distributed as dist
 from _hf_models import build, check_rule
 from cp_gloo_cases import Checker  # noqa: F401 - the harness takes it from this module
 
-from dsa.cp import loss_for_logging
-from dsa.integrations.transformers import PatchFallbackError, cp_batch, indexer_losses, patch
+from dsa.cp import ZigzagTNDShard, loss_for_logging
+from dsa.integrations.transformers import (PatchFallbackError, cp_batch, indexer_losses, patch,
+                                          track_indexer_recall)
 
 # (global document ends, rank row offsets) per world size.
 # Packed: a 1-token-short-of-a-block document, a 7-token one (< HCA's 8) and a
@@ -52,9 +53,13 @@ def _single(model, ids, pos, **extra):
     return out.logits.detach()[0], out.loss.detach(), _grads(model)
 
 
-def _cp_run(model, ids, ends, offsets, rank, **extra):
+def _cp_run(model, ids, ends, offsets, rank, balance="contiguous", **extra):
     model.zero_grad(set_to_none=True)
-    kw = cp_batch(model, ids[offsets[rank]:offsets[rank + 1]], ends)
+    if balance == "zigzag":  # chunks r and 2W-1-r of 2W
+        local = ZigzagTNDShard(rank, dist.get_world_size(), ends).rows_of(ids)
+    else:
+        local = ids[offsets[rank]:offsets[rank + 1]]
+    kw = cp_batch(model, local, ends, balance=balance)
     out = model(**kw, **extra)
     model._dsa_last_out = out
     out.loss.backward()
@@ -73,16 +78,17 @@ def _kl_sums(model, shard):
     return {n: loss_for_logging(v, shard) for n, v in sorted(indexer_losses(model).items())}
 
 
-def case_vs_single(chk, world, rank, kind, layout, indexer_loss, seed=0):
+def case_vs_single(chk, world, rank, kind, layout, indexer_loss, seed=0, balance="contiguous"):
+    """balance="zigzag": each rank holds chunks r and 2W-1-r of the stream; the packed
+    layout's chunk edges then fall inside CSA / HCA blocks and across documents too."""
     ends, offsets = (PACKED if layout == "packed" else SINGLE)[world]
     base = build(kind, seed=seed)
     ids, pos = _inputs(ends)
     ref = patch(copy.deepcopy(base), indexer_loss=indexer_loss, strict=True)
     logits, loss, grads = _single(ref, ids, pos)
     cpm = patch(copy.deepcopy(base), indexer_loss=indexer_loss, strict=True, cp_group=dist.group.WORLD)
-    c_logits, c_loss, c_grads, shard = _cp_run(cpm, ids, ends, offsets, rank)
-    o, e = offsets[rank], offsets[rank + 1]
-    chk.close("logits of the local rows", c_logits, logits[o:e])
+    c_logits, c_loss, c_grads, shard = _cp_run(cpm, ids, ends, offsets, rank, balance)
+    chk.close("logits of the local rows", c_logits, shard.rows_of(logits))
     chk.close("LM loss (sum of shares)", c_loss, loss)
     want_kl = {n: v for n, v in sorted(indexer_losses(ref).items())}
     got_kl = _kl_sums(cpm, shard)
@@ -201,6 +207,17 @@ def case_errors(chk, world, rank):
         wrong[0] += 1
     _expect_raise(chk, "ranks with different doc_ends", ValueError, ["doc_ends"],
                   lambda: cp_batch(cpm, local, wrong))
+    _expect_raise(chk, "an unknown balance", ValueError, ["balance", "zigzag"],
+                  lambda: cp_batch(cpm, local, ends, balance="ring"))
+    _expect_raise(chk, "a contiguous run under balance='zigzag'", ValueError, ["input_ids", "zigzag", "shard_rows"],
+                  lambda: cp_batch(cpm, local, ends, balance="zigzag"))
+    _expect_raise(chk, "a stream shorter than 2W chunks", ValueError, ["doc_ends", f"{2 * world} tokens"],
+                  lambda: cp_batch(cpm, ids[:1], [2 * world - 1], balance="zigzag"))
+    track_indexer_recall(cpm)
+    zz = ZigzagTNDShard(rank, world, ends).rows_of(ids)
+    _expect_raise(chk, "recall tracking under zigzag", ValueError, ["recall", "zigzag"],
+                  lambda: cp_batch(cpm, zz, ends, balance="zigzag"))
+    track_indexer_recall(cpm, False)
     plain = patch(copy.deepcopy(base))
     _expect_raise(chk, "cp_batch on a model patched without CP", ValueError, ["cp_group"],
                   lambda: cp_batch(plain, local, ends))
@@ -213,11 +230,17 @@ def cases(world):
         ("v4_packed_sparse_kl", lambda c, w, r: case_vs_single(c, w, r, "v4", "packed", "sparse")),
         ("v4_router_logits", case_router_logits),
         ("v32_packed_sparse_kl", lambda c, w, r: case_vs_single(c, w, r, "v32", "packed", "sparse")),
+        ("v4_packed_sparse_kl_zigzag",
+         lambda c, w, r: case_vs_single(c, w, r, "v4", "packed", "sparse", balance="zigzag")),
+        ("v32_packed_sparse_kl_zigzag",
+         lambda c, w, r: case_vs_single(c, w, r, "v32", "packed", "sparse", balance="zigzag")),
     ]
     if world == 2:  # the rest once: W = 3 adds a rank whose run is inside one document, not new code paths
         out += [
             ("v4_single_vs_unpatched", lambda c, w, r: case_vs_unpatched(c, w, r, "v4", "single")),
             ("v32_packed_dense_kl", lambda c, w, r: case_vs_single(c, w, r, "v32", "packed", "dense")),
+            ("v32_packed_dense_kl_zigzag",
+             lambda c, w, r: case_vs_single(c, w, r, "v32", "packed", "dense", balance="zigzag")),
             ("v32_packed_vs_unpatched", lambda c, w, r: case_vs_unpatched(c, w, r, "v32", "packed")),
             ("grads_averaged_over_cp", case_grads_averaged),
             ("v4_router_logits_averaged", lambda c, w, r: case_router_logits(c, w, r, averaged=True)),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dsa.cp as cp
-from dsa.cp.shard import TNDShard, ZigzagShard
+from dsa.cp.shard import TNDShard, ZigzagShard, ZigzagTNDShard
 
 
 def _random_case(rng, world, ratio):
@@ -130,6 +130,61 @@ def test_tnd_shard_brute_force(world, ratio):
         _check_shard(ends, offsets, ratio)
 
 
+def _check_zigzag_tnd(ends, world, ratio):
+    """Every rank's runs, op calls and positions against the token labelling: the runs of
+    all ranks partition the stream into chunks k*T//2W; each call's lengths put every
+    local query at its document position (bottom-right alignment over the call's key
+    prefix); the gather's natural index undoes the rank-major order."""
+    doc, pos = _labels(ends)
+    total, nd = ends[-1], len(ends)
+    bounds = [k * total // (2 * world) for k in range(2 * world + 1)]
+    seen, rank_major = [], []
+    for r in range(world):
+        s = ZigzagTNDShard(r, world, ends)
+        chunks = [(bounds[k], bounds[k + 1]) for k in (r, 2 * world - 1 - r)]
+        rows = [t for a, e in chunks for t in range(a, e)]
+        assert [t for a, e in s.runs for t in range(a, e)] == rows
+        assert s.local_rows == len(rows) == s.local_counts[r]
+        assert s.rows_of(torch.arange(total)).tolist() == rows
+        assert s.positions().tolist() == [pos[t] for t in rows]
+        seen += rows
+        rank_major += rows
+        local = 0
+        for call, (a, e) in zip(s.op_calls(), s.runs):
+            assert call.query_slice == slice(local, local + e - a) and call.key_end == e
+            q = [sum(1 for t in range(a, e) if doc[t] == i) for i in range(nd)]
+            p = [sum(1 for t in range(0, e) if doc[t] == i) for i in range(nd)]
+            cum = lambda xs: [sum(xs[:k + 1]) for k in range(len(xs))]  # noqa: E731
+            assert call.query_lengths == cum(q) and call.key_lengths == cum(p)
+            starts_q = [0] + cum(q)[:-1]
+            for i in range(nd):
+                for k in range(q[i]):
+                    assert p[i] - q[i] + k == pos[a + starts_q[i] + k]
+            # the compressed prefix the call reads: entries whose block ends before e
+            assert s.call_keys(torch.zeros(s.cmp_total(ratio), 1), call, ratio).shape[0] == sum(
+                1 for en in _entries(ends, ratio) if en[3] < e)
+            assert s.call_keys(torch.zeros(total, 1), call).shape[0] == e
+            local += e - a
+        assert s.key_rows(1) == (total, max(e for _, e in s.runs))
+    assert sorted(seen) == list(range(total))
+    gathered = torch.tensor(rank_major)
+    assert gathered.index_select(0, ZigzagTNDShard(0, world, ends)._natural_index).tolist() == list(range(total))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_zigzag_tnd_brute_force(world):
+    rng = random.Random(77 + world)
+    checked = 0
+    while checked < 60:
+        ends, _ = _random_case(rng, world, 4)
+        if ends[-1] < 2 * world:
+            continue
+        _check_zigzag_tnd(ends, world, rng.choice([4, 8, 128]))
+        checked += 1
+    # rank W-1's two chunks touch: one run
+    assert ZigzagTNDShard(1, 2, [40]).runs == [(10, 30)] and ZigzagTNDShard(0, 2, [40]).runs == [(0, 10), (30, 40)]
+
+
 def test_worked_example():
     s1 = TNDShard(1, 2, [5, 12, 16], [0, 8, 16])
     assert s1.query_lengths == [0, 4, 8] and s1.key_lengths == [5, 12, 16] and s1.cmp_rows(4) == 3
@@ -146,6 +201,15 @@ def test_edge_cases():
     _check_shard([0, 4, 4, 9], [0, 4, 4, 9], 4)
     _check_shard([1, 2, 3], [0, 1, 2, 3], 4)       # 1-token documents, no compressed entry
     _check_shard([40], [0, 3, 5, 40], 4)           # tiny shards: halos from several ranks
+
+
+def test_zigzag_tnd_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="at least 4 tokens"):
+        ZigzagTNDShard(0, 2, [3])
+    with pytest.raises(ValueError, match="rank"):
+        ZigzagTNDShard(2, 2, [8])
+    with pytest.raises(ValueError, match="doc_ends"):
+        ZigzagTNDShard(0, 2, [8, 5])
 
 
 def test_bad_input_names_the_argument():

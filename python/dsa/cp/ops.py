@@ -7,6 +7,7 @@ shard names, with the shard's lengths.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Optional
 
@@ -19,9 +20,9 @@ from ..kl_loss import dsa_kl_loss
 from ..layer import CompressedKV, LayerCompressMode, layer_compress_mode
 from ..sparse_attention import dsa_sparse_attention
 from .comm import _dist, all_gather_rows, all_reduce_count, comm_device, tie
-from .shard import OpCall, Shard, TNDShard, ZigzagShard, _check_ends, check_shard
+from .shard import OpCall, Shard, TNDShard, ZigzagShard, ZigzagTNDShard, _check_ends, check_shard
 
-__all__ = ["tnd_shard", "zigzag_shard", "shard_rows", "gather", "compressor", "indexer", "sparse_attention",
+__all__ = ["tnd_shard", "zigzag_tnd_shard", "zigzag_shard", "shard_rows", "gather", "compressor", "indexer", "sparse_attention",
            "dense_indexer_lse", "kl_loss", "dense_indexer_kl_loss", "loss_for_logging"]
 
 
@@ -78,6 +79,17 @@ def tnd_shard(doc_ends, local_rows: int, *, group=None, ring_degree: int = 1) ->
     return TNDShard(rank, world, ends, tuple(offsets), group)
 
 
+def zigzag_tnd_shard(doc_ends, *, group=None) -> ZigzagTNDShard:
+    """The zigzag shard of this rank for a packed TND stream: the stream cut into 2W
+    chunks, rank r holding chunks r and 2W-1-r (causal load balance; see
+    ``ZigzagTNDShard``). ``doc_ends``: the global cumulative document ends, the same on
+    every rank. Collective: raises on every rank if the ranks disagree."""
+    ends = _check_ends(doc_ends)
+    rank, world = _rank_world(group)
+    _gather_and_agree(0, list(ends), group, "doc_ends (global document ends)")
+    return ZigzagTNDShard(rank, world, ends, group)
+
+
 def zigzag_shard(seq_len: int, lengths=None, *, batch: Optional[int] = None, group=None,
                  ring_degree: int = 1) -> ZigzagShard:
     """The BSND zigzag shard of this rank (chunks r and 2W-1-r of 2W). ``lengths``: the
@@ -124,8 +136,10 @@ def compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor
         return CompressedKV(mode, 1, None, None)
     if overlap is None:
         overlap = mode is LayerCompressMode.INDEXER
-    by_layout = {"TND": _compressor_tnd, "BSND": _compressor_zigzag}
-    return by_layout[check_shard(shard).layout](kv, gate, position_bias, ratio, overlap, shard, mode, backend)
+    shard = check_shard(shard)
+    forms = {("TND", "halo"): _compressor_tnd, ("TND", "replicated"): _compressor_replicated_tnd,
+             ("BSND", "replicated"): _compressor_zigzag}
+    return forms[shard.layout, shard.compressor_form](kv, gate, position_bias, ratio, overlap, shard, mode, backend)
 
 
 def _compressor_tnd(kv, gate, position_bias, ratio, overlap, shard, mode, backend) -> CompressedKV:
@@ -167,6 +181,20 @@ def _compressor_tnd(kv, gate, position_bias, ratio, overlap, shard, mode, backen
     return CompressedKV(mode, ratio, cmp_g, shard.cmp_ends(ratio))
 
 
+def _compressor_replicated_tnd(kv, gate, position_bias, ratio, overlap, shard, mode, backend) -> CompressedKV:
+    """TND zigzag: every rank compresses the whole gathered stream (its entries' blocks
+    straddle the runs of several ranks; the compressor is cheap next to attention), as
+    ``_compressor_zigzag`` does for BSND and exact for the gradients for the same reason."""
+    if kv.shape[0] != shard.local_rows or gate.shape != kv.shape:
+        raise ValueError(f"kv, gate: expected [{shard.local_rows}, C] local rows of the same shape, "
+                         f"got {list(kv.shape)} and {list(gate.shape)}")
+    if shard.cmp_total(ratio) == 0:
+        return CompressedKV(LayerCompressMode.NO_COMPRESS, 1, None, None)
+    out, _ = dsa_compressor(gather(kv, shard), gather(gate, shard), position_bias, ratio=ratio, overlap=overlap,
+                            query_lengths=list(shard.doc_ends), backend=backend)
+    return CompressedKV(mode, ratio, out, shard.cmp_ends(ratio))
+
+
 def _compressor_zigzag(kv, gate, position_bias, ratio, overlap, shard, mode, backend) -> CompressedKV:
     """BSND zigzag: every rank compresses the whole gathered [B, S] stream (replicated
     compute; the compressor is cheap next to attention). Still exact for the gradients:
@@ -204,7 +232,7 @@ def indexer(index_query, index_key, weights, *, shard: Shard, topk: int, scale: 
     shard = check_shard(shard)
     ik = shard.key_prefix(index_key, "index_key", cmp_ratio)
     q = shard.query_part
-    return _outputs([dsa_indexer(q(index_query, c), ik, q(weights, c), topk=topk, scale=scale, cmp_ratio=cmp_ratio,
+    return _outputs([dsa_indexer(q(index_query, c), shard.call_keys(ik, c, cmp_ratio), q(weights, c), topk=topk, scale=scale, cmp_ratio=cmp_ratio,
                                  query_lengths=c.query_lengths, key_lengths=c.key_lengths, layout=shard.layout,
                                  return_scores=return_scores, backend=backend)
                      for c in shard.op_calls()], shard)
@@ -234,9 +262,11 @@ def sparse_attention(query, kv, indices=None, *, shard: Shard, scale: float, d_v
         empty = query.new_zeros(query.shape[:-1], dtype=torch.float32)
         return out, empty.fill_(float("-inf")), empty.clone().zero_()
     q = shard.query_part
+    k = shard.call_keys
     return _outputs([dsa_sparse_attention(
-        q(query, c), kv_p, q(indices, c), scale=scale, d_v=d_v, window=window, cmp_kv=cmp_p,
-        cmp_indices=q(cmp_indices, c), cmp_ratio=cmp_ratio, sinks=sinks, query_rope=q(query_rope, c), key_rope=kr_p,
+        q(query, c), k(kv_p, c), q(indices, c), scale=scale, d_v=d_v, window=window, cmp_kv=k(cmp_p, c, cmp_ratio),
+        cmp_indices=q(cmp_indices, c), cmp_ratio=cmp_ratio, sinks=sinks, query_rope=q(query_rope, c),
+        key_rope=k(kr_p, c),
         query_lengths=c.query_lengths, key_lengths=c.key_lengths, layout=shard.layout, backend=backend)
         for c in shard.op_calls()], shard)
 
@@ -247,7 +277,8 @@ def dense_indexer_lse(index_query, index_key, head_weights, *, shard: Shard, sca
     shard = check_shard(shard)
     ik = shard.key_prefix(index_key, "index_key", cmp_ratio)
     q = shard.query_part
-    return _outputs([dsa_dense_indexer_lse(q(index_query, c), ik, q(head_weights, c), scale=scale,
+    return _outputs([dsa_dense_indexer_lse(q(index_query, c), shard.call_keys(ik, c, cmp_ratio), q(head_weights, c),
+                                           scale=scale,
                                            cmp_ratio=cmp_ratio, query_lengths=c.query_lengths,
                                            key_lengths=c.key_lengths, layout=shard.layout, backend=backend)
                      for c in shard.op_calls()], shard)
@@ -276,9 +307,10 @@ def kl_loss(query, kv, indices, softmax_max, softmax_sum, index_query, index_key
     q = shard.query_part
     loss = None
     for c in shard.op_calls():
-        part = dsa_kl_loss(q(query, c), kv_p, q(indices, c), q(softmax_max, c), q(softmax_sum, c),
-                           q(index_query, c), ik, q(weights, c), scale=scale, index_scale=index_scale, sinks=sinks,
-                           cmp_ratio=cmp_ratio, query_rope=q(query_rope, c), key_rope=kr_p,
+        k = functools.partial(shard.call_keys, call=c, ratio=cmp_ratio)
+        part = dsa_kl_loss(q(query, c), k(kv_p), q(indices, c), q(softmax_max, c), q(softmax_sum, c),
+                           q(index_query, c), k(ik), q(weights, c), scale=scale, index_scale=index_scale, sinks=sinks,
+                           cmp_ratio=cmp_ratio, query_rope=q(query_rope, c), key_rope=k(kr_p),
                            query_lengths=c.query_lengths, key_lengths=c.key_lengths, layout=shard.layout,
                            loss_coefficient=loss_coefficient, reduction="sum", backend=backend)
         loss = part if loss is None else loss + part
@@ -306,9 +338,10 @@ def dense_indexer_kl_loss(index_query, index_key, head_weights, query, key, soft
     q = shard.query_part
     loss = None
     for c in shard.op_calls():
+        ck = functools.partial(shard.call_keys, call=c)
         part = dsa_dense_indexer_kl_loss(
-            q(index_query, c), ik, q(head_weights, c), q(query, c), k, q(softmax_max, c), q(softmax_sum, c),
-            q(indexer_lse, c), scale=scale, index_scale=index_scale, query_rope=q(query_rope, c), key_rope=kr,
+            q(index_query, c), ck(ik), q(head_weights, c), q(query, c), ck(k), q(softmax_max, c), q(softmax_sum, c),
+            q(indexer_lse, c), scale=scale, index_scale=index_scale, query_rope=q(query_rope, c), key_rope=ck(kr),
             query_lengths=c.query_lengths, key_lengths=c.key_lengths, layout=shard.layout,
             loss_coefficient=loss_coefficient, reduction="sum", backend=backend)
         loss = part if loss is None else loss + part

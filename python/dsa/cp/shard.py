@@ -15,13 +15,14 @@ every wrapper. The metadata is integer math; only ``gather`` runs a collective.
 """
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["Shard", "OpCall", "TNDShard", "ZigzagShard", "CompressorPlan"]
+__all__ = ["Shard", "OpCall", "TNDShard", "ZigzagTNDShard", "ZigzagShard", "CompressorPlan"]
 
 
 def _check_ends(doc_ends: Sequence[int], name: str = "doc_ends") -> tuple[int, ...]:
@@ -49,6 +50,10 @@ class OpCall:
     query_slice: Optional[slice]
     query_lengths: list[int]
     key_lengths: list[int]
+    # Raw key rows this call reads, where a rank's calls read different prefixes of the
+    # gathered keys (ZigzagTNDShard: the TND ops want the keys to end where the lengths
+    # do); None: all of ``Shard.key_prefix``.
+    key_end: Optional[int] = None
 
 
 class Shard(ABC):
@@ -58,6 +63,9 @@ class Shard(ABC):
     layout: str
     seq_dim: int
     token_dims: int
+    # How dsa.cp.compressor runs V4's compressor on this split: "halo" (each entry by the
+    # rank holding its block's last token) or "replicated" (every rank the whole stream).
+    compressor_form: str
     rank: int
     world_size: int
     group: Optional[object]
@@ -111,10 +119,20 @@ class Shard(ABC):
                              f"got shape {list(t.shape)}; pass dsa.cp.gather(...) of the local rows")
         return t.narrow(self.seq_dim, 0, used)
 
+    def call_keys(self, t: Optional[torch.Tensor], call: OpCall, ratio: int = 1) -> Optional[torch.Tensor]:
+        """The rows of ``key_prefix(t)`` one call reads: raw keys (ratio 1) or compressed
+        entries of ``ratio`` up to the call's ``key_end``; the prefix itself where the call
+        names no end."""
+        if t is None or call.key_end is None:
+            return t
+        rows = call.key_end if ratio == 1 else self._cmp_before(call.key_end, ratio)
+        return t.narrow(self.seq_dim, 0, rows)
+
 
 def check_shard(shard) -> "Shard":
     if not isinstance(shard, Shard):
-        raise ValueError(f"shard: expected a TNDShard or ZigzagShard (dsa.cp.tnd_shard / zigzag_shard), "
+        raise ValueError(f"shard: expected a TNDShard, ZigzagTNDShard or ZigzagShard (dsa.cp.tnd_shard / "
+                         f"zigzag_tnd_shard / zigzag_shard), "
                          f"got {type(shard).__name__}")
     return shard
 
@@ -141,8 +159,53 @@ class CompressorPlan:
     max_halo: int                 # rows of its tail every rank sends for halos
 
 
+class _PackedStream:
+    """What a TND split knows of the global packed stream (``doc_ends``, ``total_rows``):
+    document starts, compressed-entry counts and ends, positions in documents."""
+    doc_ends: tuple[int, ...]
+
+    @property
+    def doc_starts(self) -> tuple[int, ...]:
+        return (0,) + self.doc_ends[:-1]
+
+    def _cmp_before(self, row: int, ratio: int) -> int:
+        """Global compressed entries whose block ends before ``row`` (i.e. the prefix count)."""
+        return sum(min(max(row - s, 0), e - s) // ratio for s, e in zip(self.doc_starts, self.doc_ends))
+
+    def cmp_total(self, ratio: int) -> int:
+        _check_ratio(ratio)
+        return self._cmp_before(self.doc_ends[-1], ratio)
+
+    def cmp_ends(self, ratio: int) -> list[int]:
+        """Global compressed cumulative ends (per document ``L_i // m``)."""
+        _check_ratio(ratio)
+        out, acc = [], 0
+        for s, e in zip(self.doc_starts, self.doc_ends):
+            acc += (e - s) // ratio
+            out.append(acc)
+        return out
+
+    def cmp_positions(self, ratio: int, device=None) -> torch.Tensor:
+        """RoPE position ``w * m`` (document coordinates) of every global compressed entry."""
+        _check_ratio(ratio)
+        parts = [torch.arange((e - s) // ratio, dtype=torch.int64) * ratio
+                 for s, e in zip(self.doc_starts, self.doc_ends)]
+        pos = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        return pos if device is None else pos.to(device)
+
+    def _doc_positions(self, start: int, end: int) -> torch.Tensor:
+        """Position inside its document of every global row in ``[start, end)``."""
+        pos = torch.empty(end - start, dtype=torch.int64)
+        for s, e in zip(self.doc_starts, self.doc_ends):
+            a, b = max(s, start), min(e, end)
+            if a < b:
+                pos[a - start:b - start] = torch.arange(a - s, b - s)
+        return pos
+
+
+
 @dataclass(frozen=True)
-class TNDShard(Shard):
+class TNDShard(_PackedStream, Shard):
     """A contiguous split of a packed TND stream over ``world_size`` ranks.
 
     ``doc_ends``: the global cumulative document ends (spec form, no leading 0), identical
@@ -189,14 +252,11 @@ class TNDShard(Shard):
     def local_counts(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in zip(self.offsets, self.offsets[1:]))
 
-    @property
-    def doc_starts(self) -> tuple[int, ...]:
-        return (0,) + self.doc_ends[:-1]
-
     # -- the Shard interface -----------------------------------------------------------------
     layout = "TND"
     seq_dim = 0
     token_dims = 1
+    compressor_form = "halo"
 
     def op_calls(self) -> list[OpCall]:
         return [OpCall(None, self.query_lengths, self.key_lengths)]
@@ -236,45 +296,15 @@ class TNDShard(Shard):
         """Rows of the gathered raw key stream this rank's calls read (the prefix ``[0, E_r)``)."""
         return self.row_end
 
-    def _cmp_before(self, row: int, ratio: int) -> int:
-        """Global compressed entries whose block ends before ``row`` (i.e. the prefix count)."""
-        return sum(min(max(row - s, 0), e - s) // ratio for s, e in zip(self.doc_starts, self.doc_ends))
-
     def cmp_rows(self, ratio: int) -> int:
         """Rows of the gathered compressed stream this rank's calls read: ``sum_i P_i // m``."""
         _check_ratio(ratio)
         return self._cmp_before(self.row_end, ratio)
 
-    def cmp_total(self, ratio: int) -> int:
-        _check_ratio(ratio)
-        return self._cmp_before(self.total_rows, ratio)
-
-    def cmp_ends(self, ratio: int) -> list[int]:
-        """Global compressed cumulative ends (per document ``L_i // m``)."""
-        _check_ratio(ratio)
-        out, acc = [], 0
-        for s, e in zip(self.doc_starts, self.doc_ends):
-            acc += (e - s) // ratio
-            out.append(acc)
-        return out
-
     # -- positions ------------------------------------------------------------------------
     def positions(self, device=None) -> torch.Tensor:
         """Position inside its document of every local row (int64 ``[T_r]``, for RoPE)."""
-        o, end = self.row_start, self.row_end
-        pos = torch.empty(self.local_rows, dtype=torch.int64)
-        for s, e in zip(self.doc_starts, self.doc_ends):
-            a, b = max(s, o), min(e, end)
-            if a < b:
-                pos[a - o:b - o] = torch.arange(a - s, b - s)
-        return pos if device is None else pos.to(device)
-
-    def cmp_positions(self, ratio: int, device=None) -> torch.Tensor:
-        """RoPE position ``w * m`` (document coordinates) of every global compressed entry."""
-        _check_ratio(ratio)
-        parts = [torch.arange((e - s) // ratio, dtype=torch.int64) * ratio
-                 for s, e in zip(self.doc_starts, self.doc_ends)]
-        pos = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+        pos = self._doc_positions(self.row_start, self.row_end)
         return pos if device is None else pos.to(device)
 
     # -- compressor ownership -------------------------------------------------------------
@@ -315,6 +345,107 @@ class TNDShard(Shard):
             raise AssertionError(f"compressor plan: {made} local entries, expected {drop} + {counts[self.rank]}")
         return CompressorPlan(ratio, overlap, halo_start, tuple(ends), drop, counts[self.rank], counts,
                               (2 * ratio - 1) if overlap else (ratio - 1))
+
+
+@dataclass(frozen=True)
+class ZigzagTNDShard(_PackedStream, Shard):
+    """Causal load balance for a packed TND stream: the stream's T rows are cut into 2W
+    chunks at rows ``k * T // (2W)``, and rank r holds chunks r and 2W-1-r, in that
+    order (one run where they touch, rank W-1). Under causal attention a late row sees
+    more keys than an early one, so a contiguous split gives the last rank most of the
+    work on a long document; an early and a late chunk each even it out.
+
+    Each run is one op call (keep-all-documents form) that reads the gathered keys up to
+    the run's end; the compressor runs replicated (``compressor_form``). Build one with
+    ``dsa.cp.zigzag_tnd_shard`` (collective: checks that all ranks pass the same
+    ``doc_ends``) or directly; ``rows_of`` picks a rank's rows of the global stream."""
+    rank: int
+    world_size: int
+    doc_ends: tuple[int, ...]
+    group: Optional[object] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "doc_ends", _check_ends(self.doc_ends))
+        w = self.world_size
+        if w < 1 or not 0 <= self.rank < w:
+            raise ValueError(f"rank: expected 0 <= rank < world_size={w}, got {self.rank}")
+        if self.doc_ends[-1] < 2 * w:
+            raise ValueError(f"doc_ends: a zigzag split of {w} ranks cuts the stream into {2 * w} chunks, "
+                             f"so it needs at least {2 * w} tokens; the stream has {self.doc_ends[-1]}")
+
+    layout = "TND"
+    seq_dim = 0
+    token_dims = 1
+    compressor_form = "replicated"
+
+    # -- rows ----------------------------------------------------------------------------
+    @property
+    def total_rows(self) -> int:
+        return self.doc_ends[-1]
+
+    def runs_of(self, rank: int) -> list[tuple[int, int]]:
+        """Global row ranges ``[a, e)`` rank ``rank`` holds, in its local order."""
+        t, n = self.total_rows, 2 * self.world_size
+        runs = [(k * t // n, (k + 1) * t // n) for k in (rank, n - 1 - rank)]
+        return [(runs[0][0], runs[1][1])] if runs[0][1] == runs[1][0] else runs
+
+    @property
+    def runs(self) -> list[tuple[int, int]]:
+        return self.runs_of(self.rank)
+
+    @property
+    def local_rows(self) -> int:
+        return sum(e - a for a, e in self.runs)
+
+    @property
+    def local_counts(self) -> tuple[int, ...]:
+        return tuple(sum(e - a for a, e in self.runs_of(q)) for q in range(self.world_size))
+
+    @functools.cached_property
+    def _natural_index(self) -> torch.Tensor:
+        """Row of the rank-major gathered tensor that holds each global row."""
+        idx = torch.empty(self.total_rows, dtype=torch.int64)
+        base = 0
+        for q in range(self.world_size):
+            for a, e in self.runs_of(q):
+                idx[a:e] = torch.arange(base, base + e - a)
+                base += e - a
+        return idx
+
+    # -- the Shard interface -----------------------------------------------------------------
+    def op_calls(self) -> list[OpCall]:
+        calls, local = [], 0
+        for a, e in self.runs:
+            calls.append(OpCall(slice(local, local + e - a), [min(max(d - a, 0), e - a) for d in self.doc_ends],
+                                [min(d, e) for d in self.doc_ends], e))
+            local += e - a
+        return calls
+
+    def key_rows(self, ratio: int = 1) -> tuple[int, int]:
+        end = max(e for _, e in self.runs)
+        if ratio == 1:
+            return self.total_rows, end
+        return self.cmp_total(ratio), self._cmp_before(end, ratio)
+
+    def rows_of(self, x_global: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x_global[a:e] for a, e in self.runs])
+
+    def gather(self, x_local: torch.Tensor) -> torch.Tensor:
+        from .comm import all_gather_rows
+        g = all_gather_rows(x_local, self.local_counts, self.rank, self.group, 0)
+        # Rank-major runs -> natural order (index_select's backward scatters the gradient back).
+        return g.index_select(0, self._natural_index.to(x_local.device))
+
+    def positions(self, device=None) -> torch.Tensor:
+        """Position inside its document of every local row (int64, for RoPE)."""
+        pos = torch.cat([self._doc_positions(a, e) for a, e in self.runs])
+        return pos if device is None else pos.to(device)
+
+    def query_positions(self, device=None) -> torch.Tensor:
+        return self.positions(device)
+
+    def query_valid(self, device=None) -> torch.Tensor:
+        return torch.ones(self.local_rows, dtype=torch.bool, device=device)
 
 
 def _check_ratio(ratio) -> None:
@@ -389,6 +520,7 @@ class ZigzagShard(Shard):
     layout = "BSND"
     seq_dim = 1
     token_dims = 2
+    compressor_form = "replicated"
 
     def op_calls(self) -> list[OpCall]:
         return [OpCall(call.query_slice, call.query_lengths, call.key_lengths) for call in self.calls]

@@ -194,12 +194,17 @@ def _state(model) -> PatchState:
 
 
 def cp_batch(model: torch.nn.Module, input_ids: torch.Tensor, doc_ends, labels: Optional[torch.Tensor] = None,
-             ignore_index: int = -100) -> dict:
+             ignore_index: int = -100, balance: str = "contiguous") -> dict:
     """The keyword arguments of one context-parallel call: ``model(**cp_batch(...))``.
 
     Collective over the patch's ``cp_group`` (every rank calls it, then the model).
-    ``input_ids``: this rank's contiguous run of the packed token stream, ``[T_r]`` or
-    ``[1, T_r]`` (rank order; uneven runs allowed, each at least one token).
+    ``input_ids``: this rank's rows of the packed token stream, ``[T_r]`` or ``[1, T_r]``.
+    ``balance="contiguous"``: a contiguous run, in rank order (uneven runs allowed, each
+    at least one token). ``balance="zigzag"``: the stream cut into 2W chunks, rank r
+    holding chunks r and 2W-1-r (an early and a late one: the causal attention work
+    evens out over the ranks on long documents); take them with
+    ``dsa.cp.shard_rows(global_ids, dsa.cp.zigzag_tnd_shard(doc_ends, group=group))``.
+    The results equal the contiguous form's.
     ``doc_ends``: the GLOBAL cumulative document ends, the same on every rank (checked).
     ``labels``: this rank's run of the labels, unshifted as for ``model(labels=...)``
     (default: ``input_ids``); they are shifted over the whole stream, as transformers
@@ -216,7 +221,7 @@ def cp_batch(model: torch.nn.Module, input_ids: torch.Tensor, doc_ends, labels: 
     state = _state(model)
     if state.cp_group is None:
         raise ValueError("cp_batch: the model is not patched with a cp_group (patch(model, cp_group=group))")
-    return _cp.cp_batch(state, input_ids, doc_ends, labels, ignore_index)
+    return _cp.cp_batch(state, input_ids, doc_ends, labels, ignore_index, balance)
 
 
 def indexer_losses(model: torch.nn.Module) -> dict:

@@ -92,16 +92,26 @@ class CPOps:
 
 def shard_geometry(shard) -> Geometry:
     """The local call in Geometry terms (keep-all-documents form: every document, local
-    query segments, prefix key segments); flat/unflat map [1, T_r, ...] <-> [T_r, ...]."""
-    starts = shard.doc_starts
-    return Geometry("TND", 1, shard.local_rows, 0, shard.query_lengths, shard.key_lengths,
-                    [e - s for s, e in zip(starts, shard.doc_ends)])
+    query segments, prefix key segments); flat/unflat map [1, T_r, ...] <-> [T_r, ...].
+    A zigzag shard's two runs are two calls with lengths of their own, which one Geometry
+    cannot hold: its lengths are None (only the recall metric reads them, and cp_batch
+    refuses it under zigzag)."""
+    calls = shard.op_calls()
+    one = len(calls) == 1
+    return Geometry("TND", 1, shard.local_rows, 0, calls[0].query_lengths if one else None,
+                    calls[0].key_lengths if one else None,
+                    [e - s for s, e in zip(shard.doc_starts, shard.doc_ends)])
 
 
 def _local_pieces(shard) -> list:
-    """Lengths of the local runs of each document (the block-diagonal parts of the local mask)."""
-    ends = shard.query_lengths
-    return [b - a for a, b in zip([0] + ends[:-1], ends) if b > a]
+    """Lengths of the local runs of each document, call by call (the block-diagonal parts
+    of the local mask: transformers starts a new part where the position ids do not go up
+    by one, which they do not across a zigzag shard's two runs)."""
+    pieces = []
+    for call in shard.op_calls():
+        ends = call.query_lengths
+        pieces += [b - a for a, b in zip([0] + ends[:-1], ends) if b > a]
+    return pieces
 
 
 def call_shard(module, state, kwargs, past_key_values, attention_mask, position_ids, batch, seq, window):
@@ -117,9 +127,9 @@ def call_shard(module, state, kwargs, past_key_values, attention_mask, position_
     if shard is None:
         raise ValueError(f"{SHARD_KWARG}: the model is patched with a CP group, so every call needs its shard: "
                          "model(**cp_batch(model, local_input_ids, doc_ends))")
-    from dsa.cp import TNDShard
-    if not isinstance(shard, TNDShard) or shard.group is not group:
-        raise ValueError(f"{SHARD_KWARG}: expected the TNDShard of cp_batch(model, ...) on the patch's cp_group")
+    from dsa.cp import TNDShard, ZigzagTNDShard
+    if not isinstance(shard, (TNDShard, ZigzagTNDShard)) or shard.group is not group:
+        raise ValueError(f"{SHARD_KWARG}: expected the shard of cp_batch(model, ...) on the patch's cp_group")
     reason = call_reason(module, kwargs)
     if reason is None and past_key_values is not None:
         reason = "a cache (pass use_cache=False: cp_batch does)"
@@ -168,10 +178,18 @@ def _mask_reason(state, mask, shard, window):
     return None
 
 
-def cp_batch(state, input_ids, doc_ends, labels=None, ignore_index: int = -100) -> dict:
+BALANCES = ("contiguous", "zigzag")
+
+
+def cp_batch(state, input_ids, doc_ends, labels=None, ignore_index: int = -100, balance: str = "contiguous") -> dict:
     """See ``dsa.integrations.transformers.cp_batch``."""
     cp = _cp()
     group = state.cp_group
+    if balance not in BALANCES:
+        raise ValueError(f"balance: expected 'contiguous' or 'zigzag', got {balance!r}")
+    if balance == "zigzag" and state.track_recall:
+        raise ValueError("balance: the indexer recall metric (track_indexer_recall) reads one run of queries per "
+                         "rank; under balance='zigzag' a rank holds two. Turn it off, or use balance='contiguous'")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2) or (
             input_ids.dim() == 2 and input_ids.shape[0] != 1):
         raise ValueError(f"input_ids: expected this rank's run as [T_r] or [1, T_r], got "
@@ -182,17 +200,22 @@ def cp_batch(state, input_ids, doc_ends, labels=None, ignore_index: int = -100) 
     elif not isinstance(labels, torch.Tensor) or labels.numel() != ids.numel():
         raise ValueError(f"labels: expected this rank's run of labels, {ids.numel()} of them")
     labels = labels.reshape(-1)
-    shard = cp.tnd_shard(doc_ends, ids.numel(), group=group)
+    if balance == "zigzag":
+        shard = cp.zigzag_tnd_shard(doc_ends, group=group)
+        if ids.numel() != shard.local_rows:
+            raise ValueError(f"input_ids: under balance='zigzag' rank {shard.rank} holds rows {shard.runs} of the "
+                             f"packed stream ({shard.local_rows} tokens: dsa.cp.shard_rows(global_ids, shard)), "
+                             f"got {ids.numel()}")
+    else:
+        shard = cp.tnd_shard(doc_ends, ids.numel(), group=group)
     if 0 in shard.local_counts:
         raise ValueError(f"input_ids: rank(s) {[q for q, n in enumerate(shard.local_counts) if n == 0]} hold no "
                          "token; under CP every rank needs at least one row of the packed stream")
-    # The model shifts labels inside its call; the target of the last local row is the
-    # first label of the next rank's run, so shift over the whole stream here (as
-    # transformers shifts a single-process packed row) and pass the result as shift_labels.
-    firsts = cp.all_gather_rows(labels[:1].detach(), [1] * shard.world_size, shard.rank, group, 0)
-    nxt = firsts[shard.rank + 1:shard.rank + 2] if shard.rank + 1 < shard.world_size else labels.new_full(
-        (1,), ignore_index)
-    shift = torch.cat([labels[1:], nxt])
+    # The model shifts labels inside its call; the target of a run's last row is the
+    # label of the next global row, on another rank, so shift over the whole stream here
+    # (as transformers shifts a single-process packed row) and pass it as shift_labels.
+    everyone = shard.gather(labels.detach())
+    shift = shard.rows_of(torch.cat([everyone[1:], everyone.new_full((1,), ignore_index)]))
     from dsa.cp.comm import all_reduce_count
     n = all_reduce_count(int((shift != ignore_index).sum()), group)
     # transformers divides the summed loss by num_items_in_batch: the global target count
