@@ -53,6 +53,17 @@ def test_cp2_matches_single_process(tmp_path):
     assert all(q["step_seconds_median"] > 0 and q["peak_rss_gib"] > 0 for q in cp["ranks"])
     # Only rank 0 prints the summary and the per-rank table.
     assert r.stdout.count("sas+li: 3 steps") == 1 and r.stdout.count("context parallel: 2 ranks") == 1, r.stdout
+    # The zigzag split (chunks r and 3 - r of 4: rows [0, 97) + [292, 390) and [97, 292))
+    # trains the same steps.
+    zigzag = tmp_path / "zigzag.json"
+    r = _run(torchrun, ["--cp", "2", "--cp-balance", "zigzag"], zigzag)
+    assert r.returncode == 0, r.stderr[-3000:]
+    z = json.loads(zigzag.read_text())
+    for x, y in zip(a["steps"], z["steps"]):
+        assert abs(x["loss"] - y["loss"]) <= 1e-4 * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+        for t in x["indexer_kl"]:
+            assert abs(x["indexer_kl"][t] - y["indexer_kl"][t]) <= 1e-4 * abs(x["indexer_kl"][t]), (x, y)
+    assert z["cp"]["balance"] == "zigzag" and [q["rows"] for q in z["cp"]["ranks"]] == [195, 195]
 
 
 def test_dp2_cp2_matches_single_process(tmp_path):
@@ -110,6 +121,8 @@ def test_cp_flag_errors(monkeypatch, capsys):
     assert "torchrun --nproc-per-node 4" in err, err
     err = _main(monkeypatch, capsys, ["--dp", "2", "--dp-wrap", "fsdp", "--save", "x"], world=2)
     assert "--save / --resume: not with --dp-wrap fsdp" in err, err
+    err = _main(monkeypatch, capsys, ["--cp-balance", "zigzag"])
+    assert "--cp-balance zigzag" in err and "--cp >= 2" in err, err
     err = _main(monkeypatch, capsys, ["--cp", "0"])
     assert "--cp: expected an integer >= 1, got 0" in err, err
 

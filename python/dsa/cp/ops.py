@@ -22,8 +22,8 @@ from ..sparse_attention import dsa_sparse_attention
 from .comm import _dist, all_gather_rows, all_reduce_count, comm_device, tie
 from .shard import OpCall, Shard, TNDShard, ZigzagShard, ZigzagTNDShard, _check_ends, check_shard
 
-__all__ = ["tnd_shard", "zigzag_tnd_shard", "zigzag_shard", "shard_rows", "gather", "compressor", "indexer", "sparse_attention",
-           "dense_indexer_lse", "kl_loss", "dense_indexer_kl_loss", "loss_for_logging"]
+__all__ = ["tnd_shard", "zigzag_tnd_shard", "zigzag_shard", "shard_rows", "gather", "compressor", "indexer",
+           "sparse_attention", "dense_indexer_lse", "kl_loss", "dense_indexer_kl_loss", "loss_for_logging"]
 
 
 def _check_ring(ring_degree) -> None:
@@ -232,9 +232,10 @@ def indexer(index_query, index_key, weights, *, shard: Shard, topk: int, scale: 
     shard = check_shard(shard)
     ik = shard.key_prefix(index_key, "index_key", cmp_ratio)
     q = shard.query_part
-    return _outputs([dsa_indexer(q(index_query, c), shard.call_keys(ik, c, cmp_ratio), q(weights, c), topk=topk, scale=scale, cmp_ratio=cmp_ratio,
-                                 query_lengths=c.query_lengths, key_lengths=c.key_lengths, layout=shard.layout,
-                                 return_scores=return_scores, backend=backend)
+    return _outputs([dsa_indexer(q(index_query, c), shard.call_keys(ik, c, cmp_ratio), q(weights, c), topk=topk,
+                                 scale=scale, cmp_ratio=cmp_ratio, query_lengths=c.query_lengths,
+                                 key_lengths=c.key_lengths, layout=shard.layout, return_scores=return_scores,
+                                 backend=backend)
                      for c in shard.op_calls()], shard)
 
 

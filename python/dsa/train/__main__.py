@@ -86,6 +86,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cp", type=_number("--cp"), default=d.cp, metavar="W",
                     help="context parallel over W ranks (gloo; start with torchrun --nproc-per-node W); "
                          "each rank trains on its contiguous run of every batch")
+    ap.add_argument("--cp-balance", choices=("contiguous", "zigzag"), default=d.cp_balance,
+                    help="with --cp W: each rank's rows of a replica's stream, a contiguous run or, for the causal "
+                         "balance of long documents, chunks r and 2W-1-r of 2W (default %(default)s)")
     ap.add_argument("--dp", type=_number("--dp"), default=d.dp, metavar="D",
                     help="data parallel over D replicas, each taking its own --batch rows (with --cp C: "
                          "torchrun --nproc-per-node D*C; the ranks form a (dp, cp) mesh)")
@@ -140,6 +143,8 @@ def _check_cp(ap, args) -> None:
     world = os.environ.get("WORLD_SIZE")
     ranks = args.dp * args.cp
     mesh = f"--dp {args.dp} --cp {args.cp}" if args.dp > 1 else f"--cp {args.cp}"
+    if args.cp_balance != "contiguous" and args.cp == 1:
+        ap.error(f"--cp-balance {args.cp_balance}: splits a stream over context-parallel ranks; needs --cp >= 2")
     if ranks == 1:
         if world is not None and int(world) > 1:
             ap.error(f"--cp: started with WORLD_SIZE={world} (torchrun?) but without --cp {world} (or --dp); "
@@ -158,6 +163,9 @@ def _check_cp(ap, args) -> None:
                  "transformers' own attention would see each rank's rows only")
     if args.seq_len * args.batch < args.cp:
         ap.error(f"--cp {args.cp}: a batch of {args.seq_len * args.batch} tokens cannot give every rank one")
+    if args.cp_balance == "zigzag" and args.seq_len * args.batch < 2 * args.cp:
+        ap.error(f"--cp-balance zigzag: {2 * args.cp} chunks need a batch of at least {2 * args.cp} tokens, "
+                 f"got {args.seq_len * args.batch}")
     if args.dp > 1 and args.dp_wrap == "fsdp" and (args.save or args.resume):
         ap.error("--save / --resume: not with --dp-wrap fsdp (the checkpoint format holds whole parameters; "
                  "use --dp-wrap ddp)")

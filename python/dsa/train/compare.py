@@ -168,6 +168,8 @@ def cp_table(cp: dict) -> str:
     dp = cp.get("dp", 1)
     title = (f"data x context parallel: {dp} x {cp['cp']} ranks ({cp['backend']}, {cp['dp_wrap']})" if dp > 1
              else f"context parallel: {cp['world_size']} ranks ({cp['backend']})")
+    if cp.get("balance", "contiguous") != "contiguous":
+        title += f", {cp['balance']} split"
     lines = [title, head, "-" * len(head)]
     for r in cp["ranks"]:
         lines.append(f"{r['rank']:>4} {r.get('dp_rank', 0):>3} {r.get('cp_rank', r['rank']):>3} {r['rows']:>6} "

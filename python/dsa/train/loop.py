@@ -49,6 +49,7 @@ class RunSpec:
     resume: str | None = None
     progress: bool = True
     cp: int = 1  # context-parallel ranks (> 1: one process each, started by torchrun)
+    cp_balance: str = "contiguous"  # how a replica's stream is split over its cp ranks: or "zigzag"
     dp: int = 1  # data-parallel replicas, each of `batch` rows (dp x cp processes under torchrun)
     dp_wrap: str = "ddp"  # how the replicas share gradients: "ddp" or "fsdp" (FSDP2's fully_shard)
     gradient_checkpointing: bool = False  # transformers' activation checkpointing (non-reentrant) per layer

@@ -93,6 +93,7 @@ class Distributed(Trainer):
 
         self.dist = dist
         self.dp, self.cp = getattr(spec, "dp", 1), spec.cp
+        self.balance = getattr(spec, "cp_balance", "contiguous")
         self.dp_wrap = getattr(spec, "dp_wrap", "ddp")
         if self.dp_wrap not in DP_WRAPS:
             raise ValueError(f"--dp-wrap: expected one of {', '.join(DP_WRAPS)}, got {self.dp_wrap!r}")
@@ -174,8 +175,8 @@ class Distributed(Trainer):
             # The unpacked rows' targets: no row's last token predicts the next row's first.
             labels = flat.clone()
             labels[ends[:-1]] = -100
-            o, e = self.offsets[self.cp_rank], self.offsets[self.cp_rank + 1]
-            kw = cp_batch(model, flat[o:e], ends, labels=labels[o:e])
+            mine = self._rows(ends)
+            kw = cp_batch(model, mine(flat), ends, labels=mine(labels), balance=self.balance)
             self.shard = kw["dsa_cp_shard"]
             share = run(**kw).loss
             share.backward()
@@ -187,6 +188,14 @@ class Distributed(Trainer):
         if not torch.isfinite(loss):
             raise RuntimeError(f"step {step}: the loss is {loss.item()} (diverged)")
         return loss
+
+    def _rows(self, ends):
+        """This rank's rows of a replica's stream: its contiguous run, or its two zigzag chunks."""
+        if self.balance == "zigzag":
+            from ..cp import ZigzagTNDShard
+            return ZigzagTNDShard(self.cp_rank, self.cp, ends).rows_of
+        o, e = self.offsets[self.cp_rank], self.offsets[self.cp_rank + 1]
+        return lambda t: t[o:e]
 
     def _sum_grads(self, model) -> None:
         """Sums every parameter's gradient over the CP ranks of the replica (one fp32
@@ -238,15 +247,17 @@ class Distributed(Trainer):
     def annotate(self, result: dict) -> None:
         """result["cp"]: the mesh, and every rank's rows, steady-state step time and peak
         RSS (VmHWM), gathered on every rank."""
-        mine = {"rank": self.rank, "dp_rank": self.dp_rank, "cp_rank": self.cp_rank,
-                "rows": self.offsets[self.cp_rank + 1] - self.offsets[self.cp_rank],
+        rows = (self.shard.local_rows if self.shard is not None
+                else self.offsets[self.cp_rank + 1] - self.offsets[self.cp_rank])
+        mine = {"rank": self.rank, "dp_rank": self.dp_rank, "cp_rank": self.cp_rank, "rows": rows,
                 "step_seconds_median": result["step_seconds"]["median"],
                 "peak_rss_gib": result["memory_gib"]["peak_rss"]}
         ranks = [None] * self.world
         self.dist.all_gather_object(ranks, mine)
         result["cp"] = {"world_size": self.world, "dp": self.dp, "cp": self.cp,
                         "dp_wrap": self.dp_wrap if self.dp > 1 else None, "backend": "gloo",
-                        "offsets": self.offsets, "ranks": ranks}
+                        "balance": self.balance, "offsets": self.offsets if self.balance == "contiguous" else None,
+                        "ranks": ranks}
 
     def close(self) -> None:
         if self.dist.is_initialized():

@@ -47,7 +47,8 @@ void tile_gemm2(bool accumulate, float* c, std::int64_t c_stride, std::int64_t m
   if (drip) {  // one step per chunk of every 2 x 2 tile block, of both products
     const std::int64_t blocks_m = (m_tiles + 1) / 2;
     std::int64_t steps = 0;
-    for (std::int64_t ng = 0; ng < n_groups; ng += 2) steps += blocks_m * (k_chunks + (ng < n2_groups ? k2_chunks : 0));
+    for (std::int64_t ng = 0; ng < n_groups; ng += 2)
+      steps += blocks_m * (k_chunks + (ng < n2_groups ? k2_chunks : 0));
     drip->pace(steps);
   }
   const int cs = static_cast<int>(c_stride * 4), as = static_cast<int>(a_stride * 2), bs = static_cast<int>(b_stride * 2);

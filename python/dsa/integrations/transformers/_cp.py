@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _metrics
 from ._checks import call_reason
 from ._geometry import Geometry, _visibility
 from ._mask import DsaMask, function_reason
@@ -85,17 +86,26 @@ class CPOps:
     def compressed_positions(self, ratio: int, rows: int, device) -> torch.Tensor:
         return self.shard.cmp_positions(ratio, device).unsqueeze(0)
 
-    def recall_keys(self, cmp_kv, ratio: int):
-        # recall_at_k reads the prefix this rank's queries see, as the attention does.
-        return cmp_kv[:self.shard.cmp_rows(ratio)]
+    def recall(self, q, cmp_kv, cmp_idx, scale: float, ratio: int):
+        """recall@k over this rank's rows, call by call (a zigzag shard's two runs read
+        different key prefixes), each call reading the prefix its queries see, as the
+        attention does; the sampled rows of the calls pooled into one mean."""
+        values = []
+        for call in self.shard.op_calls():
+            rows = call.query_slice or slice(0, q.shape[0])
+            geom = Geometry("TND", 1, rows.stop - rows.start, 0, call.query_lengths, call.key_lengths, [])
+            keys = self.shard.call_keys(self.shard.key_prefix(cmp_kv, "cmp_kv", ratio), call, ratio)
+            part = _metrics.recall_values(q[rows], keys, cmp_idx[rows], scale, ratio, geom)
+            if part is not None:
+                values.append(part)
+        return float(torch.cat(values).mean()) if values else None
 
 
 def shard_geometry(shard) -> Geometry:
     """The local call in Geometry terms (keep-all-documents form: every document, local
     query segments, prefix key segments); flat/unflat map [1, T_r, ...] <-> [T_r, ...].
     A zigzag shard's two runs are two calls with lengths of their own, which one Geometry
-    cannot hold: its lengths are None (only the recall metric reads them, and cp_batch
-    refuses it under zigzag)."""
+    cannot hold: its lengths are None (CPOps.recall, the one reader, goes call by call)."""
     calls = shard.op_calls()
     one = len(calls) == 1
     return Geometry("TND", 1, shard.local_rows, 0, calls[0].query_lengths if one else None,
@@ -187,9 +197,6 @@ def cp_batch(state, input_ids, doc_ends, labels=None, ignore_index: int = -100, 
     group = state.cp_group
     if balance not in BALANCES:
         raise ValueError(f"balance: expected 'contiguous' or 'zigzag', got {balance!r}")
-    if balance == "zigzag" and state.track_recall:
-        raise ValueError("balance: the indexer recall metric (track_indexer_recall) reads one run of queries per "
-                         "rank; under balance='zigzag' a rank holds two. Turn it off, or use balance='contiguous'")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() not in (1, 2) or (
             input_ids.dim() == 2 and input_ids.shape[0] != 1):
         raise ValueError(f"input_ids: expected this rank's run as [T_r] or [1, T_r], got "

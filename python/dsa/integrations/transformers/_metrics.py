@@ -32,6 +32,15 @@ def _segments(geom, ratio: int):
 @torch.no_grad()
 def recall_at_k(q: torch.Tensor, cmp_kv: torch.Tensor, cmp_idx: torch.Tensor, scale: float, ratio: int, geom,
                 max_rows: int = 256) -> Optional[float]:
+    values = recall_values(q, cmp_kv, cmp_idx, scale, ratio, geom, max_rows)
+    return None if values is None else float(values.mean())
+
+
+@torch.no_grad()
+def recall_values(q: torch.Tensor, cmp_kv: torch.Tensor, cmp_idx: torch.Tensor, scale: float, ratio: int, geom,
+                  max_rows: int = 256) -> Optional[torch.Tensor]:
+    """recall@k of each sampled row (None where no row has more visible entries than k):
+    what ``recall_at_k`` averages, for callers that pool several calls' rows."""
     k = cmp_idx.shape[-1]
     values = []
     for b, rows, ql, kl, crows in _segments(geom, ratio):
@@ -54,4 +63,4 @@ def recall_at_k(q: torch.Tensor, cmp_kv: torch.Tensor, cmp_idx: torch.Tensor, sc
         values.append(picked / best)
     if not values:
         return None
-    return float(torch.cat(values).mean())
+    return torch.cat(values)

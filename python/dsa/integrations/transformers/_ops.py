@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 from ... import (dsa_compressor, dsa_dense_indexer_kl_loss, dsa_dense_indexer_lse, dsa_indexer, dsa_kl_loss,
                  dsa_sparse_attention)
-from . import _cp, _geometry
+from . import _cp, _geometry, _metrics
 
 
 def layer_ops(module, hidden_states, attention_mask, position_ids, past_key_values, kwargs, *,
@@ -80,5 +80,6 @@ class Local:
     def compressed_positions(self, ratio: int, rows: int, device):
         return self.geom.compressed_positions(ratio, rows, device)
 
-    def recall_keys(self, cmp_kv, ratio: int):
-        return cmp_kv
+    def recall(self, q, cmp_kv, cmp_idx, scale: float, ratio: int):
+        """The indexer's recall@k on this call's rows (_metrics.py)."""
+        return _metrics.recall_at_k(q, cmp_kv, cmp_idx, scale, ratio, self.geom)

@@ -10,7 +10,7 @@ import torch
 
 from ... import (dsa_compressor_append, dsa_indexer, dsa_indexer_decode, dsa_sparse_attention,
                   dsa_sparse_attention_decode)
-from . import _cp, _geometry, _loss, _metrics, _ops
+from . import _cp, _geometry, _loss, _ops
 from ...lengths import ends_from_lengths
 from ._cache import DsaCache
 from ._checks import cache_layer_reason, call_reason, require_paged_call
@@ -196,8 +196,7 @@ def attention_forward(self, hidden_states, position_embeddings, position_ids, at
         st.indexer_losses[self._dsa_name] = kl.detach()
         out = _loss.attach(out, kl)
     if st.track_recall and cmp_idx is not None and cmp_kv is not None:
-        st.indexer_recall[self._dsa_name] = _metrics.recall_at_k(geom.flat(q), ops.recall_keys(cmp_kv, ratio),
-                                                                 cmp_idx, self.scaling, ratio, geom)
+        st.indexer_recall[self._dsa_name] = ops.recall(geom.flat(q), cmp_kv, cmp_idx, self.scaling, ratio)
     out = geom.unflat(out)
     out = _rope(out.transpose(1, 2), cos, -sin).transpose(1, 2)
     grouped = self.o_a_proj(out.reshape(batch, seq, self.config.o_groups, -1)).flatten(2)
