@@ -10,6 +10,7 @@ dim 576, rope_dim 64, 656 bytes; an indexer key: dim 128, 132 bytes).
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 import torch
@@ -48,12 +49,18 @@ _HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 _MADV_HUGEPAGE = 14
 
 
-def _advise_huge_pages(address: int, length: int) -> None:
+@functools.lru_cache(maxsize=1)
+def _madvise():
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(_MADV_HUGEPAGE))
+        return ctypes.CDLL(None, use_errno=True).madvise
     except (OSError, AttributeError):  # a hint: without it the cache only reads slower
-        pass
+        return None
+
+
+def _advise_huge_pages(address: int, length: int) -> None:
+    madvise = _madvise()
+    if madvise is not None:
+        madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(_MADV_HUGEPAGE))
 
 
 def huge_page_zeros(shape) -> torch.Tensor:

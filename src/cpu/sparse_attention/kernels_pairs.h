@@ -272,10 +272,9 @@ void pair_forward_row(const Shape& s, const float* sinks, const QueryRow& query,
   // Decode: the next block's records are asked for while this block's products
   // run. Before (as prefill still does), during the copy, which stalled on them:
   // H = 16, batch 16 over a huge-page cache 5.5-5.9 -> 4.9-5.0 ms (Zen 4).
+  // The decode op's keys are whole records (rope_dim 0): the drip follows main rows only.
   LineDrip next_rows;
-  LineDrip* drip = s.cache_keys ? &next_rows : nullptr;
-  const std::int64_t main_bytes = main_row_bytes(s, keys), rope_bytes = s.rope_dim * dtype_size(s.dtype);
-  const std::int64_t row_lines = (main_bytes + 63) / 64 + 1 + (rope_bytes + 63) / 64;
+  LineDrip* drip = s.cache_keys && s.rope_dim == 0 ? &next_rows : nullptr;
   const std::int64_t pv_parts = s.bf16_p ? 1 : 2;
   for (std::int64_t first = 0; first < keys.count; first += kBlock) {
     const std::int64_t n = std::min(kBlock, keys.count - first);
@@ -283,11 +282,11 @@ void pair_forward_row(const Shape& s, const float* sinks, const QueryRow& query,
     const std::int64_t key_tiles = (n + 15) / 16;
     const std::int64_t next = first + kBlock, n_next = std::clamp<std::int64_t>(keys.count - next, 0, kBlock);
     if (drip) {
-      next_rows.reset(keys.main + next, main_bytes, s.rope_dim ? keys.rope + next : nullptr, rope_bytes, n_next);
+      next_rows.reset(keys.main + next, main_row_bytes(s, keys), n_next);
       // The key product's share of the lines: its share of the block's products.
       const std::int64_t qk_work = key_tiles * d.groups * d.chunks,
                          pv_work = d.groups * d.dv_groups * ((n + 31) / 32) * pv_parts;
-      next_rows.budget(n_next * row_lines * qk_work / (qk_work + pv_work));
+      next_rows.budget(qk_work, qk_work + pv_work);
     }
 
     // S^T = Kb . Q^T.
@@ -340,7 +339,7 @@ void pair_forward_row(const Shape& s, const float* sinks, const QueryRow& query,
     // gradients measurably more error than its own attention (docs/sparse_attention.md).
     // With bf16_p (decode: no gradients) P is pa alone, one product.
     const std::int64_t v_chunks = (n + 31) / 32;
-    if (drip) next_rows.budget(n_next * row_lines);  // the rest
+    if (drip) next_rows.budget(1, 1);  // the rest
     tile_gemm2(true, b.o, d.dvp, d.groups, d.dv_groups, b.pa, kBlock, b.vv, 32, 512, panel_stride(kBlock / 2),
                v_chunks, s.bf16_p ? 0 : d.dv_groups, b.pl, b.vv, 32, 512, v_chunks, drip);
   }
