@@ -129,7 +129,7 @@ def compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor
     owner the gradient of its entries, and the halo gather's backward returns the halo rows'
     gradient to their ranks. The ratio-1 fallback (spec 4.5) is decided from the global
     count, identically on every rank. BSND zigzag: local ``[B, 2c, C]`` inputs, the whole
-    ``[B, S // m, c]`` compressed tensor in natural order (see ``_compressor_zigzag``).
+    ``[B, S // m, c]`` compressed tensor in natural order (see ``_compressor_replicated``).
     Collective: every rank must call it."""
     mode = layer_compress_mode(ratio)
     if mode is LayerCompressMode.NO_COMPRESS:
@@ -137,9 +137,8 @@ def compressor(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor
     if overlap is None:
         overlap = mode is LayerCompressMode.INDEXER
     shard = check_shard(shard)
-    forms = {("TND", "halo"): _compressor_tnd, ("TND", "replicated"): _compressor_replicated_tnd,
-             ("BSND", "replicated"): _compressor_zigzag}
-    return forms[shard.layout, shard.compressor_form](kv, gate, position_bias, ratio, overlap, shard, mode, backend)
+    form = _compressor_tnd if shard.compressor_form == "halo" else _compressor_replicated
+    return form(kv, gate, position_bias, ratio, overlap, shard, mode, backend)
 
 
 def _compressor_tnd(kv, gate, position_bias, ratio, overlap, shard, mode, backend) -> CompressedKV:
@@ -181,35 +180,27 @@ def _compressor_tnd(kv, gate, position_bias, ratio, overlap, shard, mode, backen
     return CompressedKV(mode, ratio, cmp_g, shard.cmp_ends(ratio))
 
 
-def _compressor_replicated_tnd(kv, gate, position_bias, ratio, overlap, shard, mode, backend) -> CompressedKV:
-    """TND zigzag: every rank compresses the whole gathered stream (its entries' blocks
-    straddle the runs of several ranks; the compressor is cheap next to attention), as
-    ``_compressor_zigzag`` does for BSND and exact for the gradients for the same reason."""
-    if kv.shape[0] != shard.local_rows or gate.shape != kv.shape:
-        raise ValueError(f"kv, gate: expected [{shard.local_rows}, C] local rows of the same shape, "
-                         f"got {list(kv.shape)} and {list(gate.shape)}")
-    if shard.cmp_total(ratio) == 0:
+def _compressor_replicated(kv, gate, position_bias, ratio, overlap, shard, mode, backend) -> CompressedKV:
+    """Zigzag splits, TND and BSND: every rank compresses the whole gathered stream (an
+    entry's block can straddle the runs of several ranks; the compressor is cheap next to
+    attention). Still exact for the gradients: rank r's copy only receives rank r's
+    attention gradient, and the gathers' backward sums the copies' input gradients over
+    ranks; ``position_bias`` gets rank r's part, to be summed over ranks like every
+    replicated parameter."""
+    if shard.layout == "BSND":
+        fits, want = kv.dim() == 3 and kv.shape[1] == 2 * shard.chunk, f"local [B, {2 * shard.chunk}, C]"
+        entries, lengths = sum(n // ratio for n in shard.lengths), list(shard.lengths)
+    else:
+        fits, want = kv.shape[0] == shard.local_rows, f"[{shard.local_rows}, C] local rows"
+        entries, lengths = shard.cmp_total(ratio), list(shard.doc_ends)
+    if not fits or gate.shape != kv.shape:
+        raise ValueError(f"kv, gate: expected {want} of the same shape, got {list(kv.shape)} and {list(gate.shape)}")
+    if entries == 0:
         return CompressedKV(LayerCompressMode.NO_COMPRESS, 1, None, None)
-    out, _ = dsa_compressor(gather(kv, shard), gather(gate, shard), position_bias, ratio=ratio, overlap=overlap,
-                            query_lengths=list(shard.doc_ends), backend=backend)
-    return CompressedKV(mode, ratio, out, shard.cmp_ends(ratio))
-
-
-def _compressor_zigzag(kv, gate, position_bias, ratio, overlap, shard, mode, backend) -> CompressedKV:
-    """BSND zigzag: every rank compresses the whole gathered [B, S] stream (replicated
-    compute; the compressor is cheap next to attention). Still exact for the gradients:
-    rank r's copy only receives rank r's attention gradient, and the gathers' backward
-    sums the copies' input gradients over ranks; ``position_bias`` gets rank r's part, to
-    be summed over ranks like every replicated parameter."""
-    if kv.dim() != 3 or kv.shape[1] != 2 * shard.chunk or gate.shape != kv.shape:
-        raise ValueError(f"kv, gate: expected local [B, {2 * shard.chunk}, C] of the same shape, "
-                         f"got {list(kv.shape)} and {list(gate.shape)}")
-    if sum(n // ratio for n in shard.lengths) == 0:
-        return CompressedKV(LayerCompressMode.NO_COMPRESS, 1, None, None)
-    kv_g, gate_g = gather(kv, shard), gather(gate, shard)
-    out, lengths = dsa_compressor(kv_g, gate_g, position_bias, ratio=ratio, overlap=overlap,
-                                  query_lengths=list(shard.lengths), layout="BSND", backend=backend)
-    return CompressedKV(mode, ratio, out, lengths)
+    out, cmp_lengths = dsa_compressor(gather(kv, shard), gather(gate, shard), position_bias, ratio=ratio,
+                                      overlap=overlap, query_lengths=lengths, layout=shard.layout, backend=backend)
+    # TND: the global cumulative ends (the kernel's are those of the gathered stream, the same values).
+    return CompressedKV(mode, ratio, out, cmp_lengths if shard.layout == "BSND" else shard.cmp_ends(ratio))
 
 
 # -- op wrappers -------------------------------------------------------------------------------

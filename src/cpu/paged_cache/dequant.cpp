@@ -16,10 +16,20 @@ void run_portable(const std::uint8_t* codes, std::int64_t n, float scale, std::u
 
 constexpr Candidate<Fp8ToBf16, int> kKernels[] = {
     {core::Isa::avx512, avx512_kernel},
+    {core::Isa::avx2, avx2_kernel},
     {core::Isa::portable, portable_kernel},
 };
 
 }  // namespace
+
+bool normal_power_of_two(float scale, int* k) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &scale, 4);
+  const int biased = static_cast<int>(bits >> 23);  // the sign bit set makes this > 255
+  if ((bits & 0x7fffff) != 0 || biased < 1 || biased > 254) return false;
+  *k = biased - 127;
+  return *k >= 1 - 118 && *k <= 254 - 135;  // exponents 2^-9 .. 2^8 stay inside bf16's normal range
+}
 
 const Fp8ToBf16& portable_kernel() {
   static const Fp8ToBf16 kernel{"portable", run_portable};

@@ -19,9 +19,16 @@ struct Fp8ToBf16 {
 };
 
 const Fp8ToBf16& portable_kernel();
+const Fp8ToBf16& avx2_kernel();
 const Fp8ToBf16& avx512_kernel();
 // The best this CPU runs.
 const Fp8ToBf16& pick_fp8_to_bf16();
+
+// k where scale = 2^k and every nonzero e4m3 value (2^-9 .. 448 = 1.75 * 2^8)
+// times it is a normal bf16 number, so a code times the scale goes to bf16 bits
+// by integer work alone (the vector kernels' fast route); otherwise false.
+// Defined in the portable translation unit: ISA files share it by a call.
+bool normal_power_of_two(float scale, int* k);
 
 // The dtype a decode kernel computes in: bf16 for bf16 queries when every cache
 // stores bf16 or FP8 (FP8 values are bf16 values exactly), fp32 otherwise.

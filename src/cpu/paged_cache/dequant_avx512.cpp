@@ -11,23 +11,11 @@
 #include <immintrin.h>
 
 #include <cmath>
-#include <cstring>
 
 #include "cpu/paged_cache/dequant.h"
 
 namespace dsa::cpu::dequant {
 namespace {
-
-// k where scale = 2^k and every nonzero e4m3 value (2^-9 .. 448 = 1.75 * 2^8)
-// times it is a normal bf16 number; otherwise false.
-bool normal_power_of_two(float scale, int* k) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &scale, 4);
-  const int biased = static_cast<int>(bits >> 23);  // the sign bit set makes this > 255
-  if ((bits & 0x7fffff) != 0 || biased < 1 || biased > 254) return false;
-  *k = biased - 127;
-  return *k >= 1 - 118 && *k <= 254 - 135;  // exponents 2^-9 .. 2^8 stay inside bf16's normal range
-}
 
 // 32 codes to bf16 bits, scale = 2^k (normal_power_of_two): a normal code
 // (exponent field e > 0) is bf16 with exponent e - 7 + 127 + k and its 3
