@@ -31,6 +31,12 @@ bool normal_power_of_two(float scale, int* k) {
   return *k >= 1 - 118 && *k <= 254 - 135;  // exponents 2^-9 .. 2^8 stay inside bf16's normal range
 }
 
+void Fp8ToBf16::run(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) const {
+  int k = 0;
+  if (power_of_two && normal_power_of_two(scale, &k)) power_of_two(codes, n, k, out);
+  else any_scale(codes, n, scale, out);
+}
+
 const Fp8ToBf16& portable_kernel() {
   static const Fp8ToBf16 kernel{"portable", run_portable};
   return kernel;

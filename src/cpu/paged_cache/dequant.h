@@ -12,10 +12,21 @@
 
 namespace dsa::cpu::dequant {
 
+// k where scale = 2^k and every nonzero e4m3 value (2^-9 .. 448 = 1.75 * 2^8)
+// times it is a normal bf16 number, so a code times the scale goes to bf16 bits
+// by integer work alone (the vector kernels' fast route); otherwise false.
+bool normal_power_of_two(float scale, int* k);
+
 struct Fp8ToBf16 {
   const char* name;
+  // Any scale (through fp32).
+  void (*any_scale)(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out);
+  // scale = 2^k with normal_power_of_two true (integer work only); null: any_scale serves.
+  void (*power_of_two)(const std::uint8_t* codes, std::int64_t n, int k, std::uint16_t* out) = nullptr;
+
   // out[i] = bf16(e4m3(codes[i]) * scale) for i < n.
-  void (*run)(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out);
+  // Out of line (dequant.cpp): an inline body would be compiled into the ISA files too.
+  void run(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) const;
 };
 
 const Fp8ToBf16& portable_kernel();
@@ -23,12 +34,6 @@ const Fp8ToBf16& avx2_kernel();
 const Fp8ToBf16& avx512_kernel();
 // The best this CPU runs.
 const Fp8ToBf16& pick_fp8_to_bf16();
-
-// k where scale = 2^k and every nonzero e4m3 value (2^-9 .. 448 = 1.75 * 2^8)
-// times it is a normal bf16 number, so a code times the scale goes to bf16 bits
-// by integer work alone (the vector kernels' fast route); otherwise false.
-// Defined in the portable translation unit: ISA files share it by a call.
-bool normal_power_of_two(float scale, int* k);
 
 // The dtype a decode kernel computes in: bf16 for bf16 queries when every cache
 // stores bf16 or FP8 (FP8 values are bf16 values exactly), fp32 otherwise.

@@ -41,7 +41,7 @@ void run_power_of_two(const std::uint8_t* codes, std::int64_t n, int k, std::uin
     v = _mm256_blendv_epi8(v, nan, _mm256_cmpeq_epi16(mag, x7f));  // 0x7f / 0xff: unsigned NaN
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), v);
   }
-  portable_kernel().run(codes + i, n - i, std::ldexp(1.0f, k), out + i);  // the last < 16 codes
+  portable_kernel().any_scale(codes + i, n - i, std::ldexp(1.0f, k), out + i);  // the last < 16 codes
 }
 
 void run_any_scale(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) {
@@ -71,19 +71,13 @@ void run_any_scale(const std::uint8_t* codes, std::int64_t n, float scale, std::
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
                      _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
   }
-  portable_kernel().run(codes + i, n - i, scale, out + i);  // the last < 8 codes
-}
-
-void run_avx2(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) {
-  int k = 0;
-  if (normal_power_of_two(scale, &k)) run_power_of_two(codes, n, k, out);
-  else run_any_scale(codes, n, scale, out);
+  portable_kernel().any_scale(codes + i, n - i, scale, out + i);  // the last < 8 codes
 }
 
 }  // namespace
 
 const Fp8ToBf16& avx2_kernel() {
-  static const Fp8ToBf16 kernel{"avx2", run_avx2};
+  static const Fp8ToBf16 kernel{"avx2", run_any_scale, run_power_of_two};
   return kernel;
 }
 

@@ -40,7 +40,7 @@ void run_power_of_two(const std::uint8_t* codes, std::int64_t n, int k, std::uin
     v = _mm512_mask_mov_epi16(v, _mm512_cmpeq_epi16_mask(mag, x7f), nan);
     _mm512_storeu_si512(out + i, v);
   }
-  portable_kernel().run(codes + i, n - i, std::ldexp(1.0f, k), out + i);  // the last < 32 codes
+  portable_kernel().any_scale(codes + i, n - i, std::ldexp(1.0f, k), out + i);  // the last < 32 codes
 }
 
 // Any scale: through fp32.
@@ -73,19 +73,13 @@ void run_any_scale(const std::uint8_t* codes, std::int64_t n, float scale, std::
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet)));
   }
-  portable_kernel().run(codes + i, n - i, scale, out + i);  // the last < 16 codes
-}
-
-void run_avx512(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) {
-  int k = 0;
-  if (normal_power_of_two(scale, &k)) run_power_of_two(codes, n, k, out);
-  else run_any_scale(codes, n, scale, out);
+  portable_kernel().any_scale(codes + i, n - i, scale, out + i);  // the last < 16 codes
 }
 
 }  // namespace
 
 const Fp8ToBf16& avx512_kernel() {
-  static const Fp8ToBf16 kernel{"avx512", run_avx512};
+  static const Fp8ToBf16 kernel{"avx512", run_any_scale, run_power_of_two};
   return kernel;
 }
 
