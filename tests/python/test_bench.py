@@ -71,6 +71,31 @@ def test_naive_indexer_matches_reference_backend():
     assert (ours[0, 1:] == -1).all() and ours[0, 0] == 0  # one visible key, then padding
 
 
+def _small_decode_cases():
+    from dsa.bench.cases import decode
+    for dt in ("bf16", "fp8"):
+        yield decode.attention_case(4, 512, 2, dt, topk=64)
+        yield decode.indexer_case(512, 2, 2, dt, Hi=4, Di=32, topk=64)
+        yield decode.v4_attention_case("csa", 2048, 2, dt, H=4, topk=16)
+        yield decode.v4_attention_case("hca", 2048, 2, dt, H=4)
+    yield decode.compressor_append_case("csa", 2)
+
+
+def test_decode_peers_run_in_fp32_where_the_harness_upcasts():
+    # On a CPU whose torch bf16 matmul is emulated (AVX2-only), the harness runs the naive
+    # peer on the inputs cast to fp32 (naive_fp32): the decode peers must then compute in
+    # fp32 too, not mix fp32 queries with rows gathered as bf16 (an AVX2 run failed so).
+    for case in _small_decode_cases():
+        x = case.setup()
+        want, got = case.impls[NAIVE](x), case.impls[NAIVE](runner.upcast(x))
+        for w, g in zip(want if isinstance(want, list) else [want], got if isinstance(got, list) else [got]):
+            assert w.shape == g.shape, case.name
+            if w.is_floating_point():
+                assert g.dtype == torch.float32, case.name
+                if "/fp8/" not in case.name:  # FP8 rows reach |k| ~ 28: logits of hundreds, bf16 moves the softmax
+                    torch.testing.assert_close(g, w.float(), atol=5e-2, rtol=5e-2, msg=case.name)
+
+
 def _alloc_case(mib: int) -> Case:
     def grow(x):  # touches every page, so RSS sees it
         return torch.ones(mib * (1 << 18), dtype=torch.float32)

@@ -55,6 +55,11 @@ def random_cache(tokens: int, dim: int, rope: int, dtype: str, g: torch.Generato
     return cache.view(blocks, BS, tb)
 
 
+def _padded(ctx: int) -> int:
+    """Tokens of a request's whole blocks (the cache rows _tables hands it)."""
+    return -(-ctx // BS) * BS
+
+
 def _tables(B: int, ctx: int) -> torch.Tensor:
     width = -(-ctx // BS)
     return torch.arange(B * width, dtype=torch.int32).view(B, width)  # distinct blocks per request
@@ -67,7 +72,7 @@ def attention_case(H: int, ctx: int, B: int, cache_dtype: str, topk: int = 2048,
         g = torch.Generator().manual_seed(7)
         idx = torch.stack([torch.randperm(ctx, generator=g)[:topk].sort().values for _ in range(B)])
         return {"q": torch.randn(B, 1, H, D, generator=g).bfloat16(),
-                "cache": random_cache(B * ctx, D, rope, cache_dtype, g), "table": _tables(B, ctx),
+                "cache": random_cache(B * _padded(ctx), D, rope, cache_dtype, g), "table": _tables(B, ctx),
                 "lens": torch.full((B,), ctx, dtype=torch.int32), "idx": idx.to(torch.int32).view(B, 1, topk)}
 
     def fused(x):
@@ -76,9 +81,9 @@ def attention_case(H: int, ctx: int, B: int, cache_dtype: str, topk: int = 2048,
 
     def naive(x):
         rows = dsa_cache_gather(x["cache"], x["table"], x["idx"][:, 0], dim=D, rope_dim=rope, dtype=cache_dtype,
-                                out_dtype=torch.bfloat16)  # [B, topk, D]
+                                out_dtype=x["q"].dtype)  # [B, topk, D]; fp32 for the fp32 peer
         p = torch.softmax((x["q"][:, 0] @ rows.transpose(1, 2)).float() * D ** -0.5, dim=-1)
-        return p.bfloat16() @ rows[..., :dv]
+        return p.to(rows.dtype) @ rows[..., :dv]
 
     def today(x):
         outs = []
@@ -108,17 +113,17 @@ def indexer_case(ctx: int, B: int, next_n: int, cache_dtype: str = "fp8", Hi: in
         g = torch.Generator().manual_seed(8)
         return {"q": torch.randn(B, next_n, Hi, Di, generator=g).bfloat16(),
                 "w": (torch.randn(B, next_n, Hi, generator=g) * Hi ** -0.5).bfloat16(),
-                "cache": random_cache(B * ctx, Di, 0, cache_dtype, g), "table": _tables(B, ctx),
+                "cache": random_cache(B * _padded(ctx), Di, 0, cache_dtype, g), "table": _tables(B, ctx),
                 "lens": torch.full((B,), ctx, dtype=torch.int32)}
 
     def fused(x):
         return dsa_indexer_decode(x["q"], x["w"], x["cache"], x["table"], x["lens"], topk=topk,
                                   scale=Di ** -0.5, cache_dtype=cache_dtype)
 
-    def gathered(x, b):
+    def gathered(x, b):  # in the queries' dtype: fp32 for the fp32 peer
         pos = torch.arange(ctx, dtype=torch.int32).view(1, -1)
         return dsa_cache_gather(x["cache"], x["table"][b: b + 1], pos, dim=Di, dtype=cache_dtype,
-                                out_dtype=torch.bfloat16)[0]
+                                out_dtype=x["q"].dtype)[0]
 
     def naive(x):
         out = []
@@ -155,7 +160,7 @@ def v4_attention_case(kind: str, ctx: int, B: int, cache_dtype: str, H: int = 64
         win_table = torch.arange(B * ring_cols, dtype=torch.int32).view(B, ring_cols)
         x = {"q": torch.randn(B, 1, H, D, generator=g).bfloat16(),
              "win": random_cache(B * ring_cols * BS, D, rope, cache_dtype, g), "win_table": win_table,
-             "cmp": random_cache(B * entries, D, rope, cache_dtype, g), "cmp_table": _tables(B, entries),
+             "cmp": random_cache(B * _padded(entries), D, rope, cache_dtype, g), "cmp_table": _tables(B, entries),
              "lens": torch.full((B,), ctx, dtype=torch.int32), "sinks": torch.randn(H, generator=g)}
         if kind == "csa":
             x["idx"] = torch.stack([torch.randperm(entries, generator=g)[:topk].sort().values
@@ -171,15 +176,15 @@ def v4_attention_case(kind: str, ctx: int, B: int, cache_dtype: str, H: int = 64
     def naive(x):  # gather the window and the entries, then the model's eager softmax with a sink column
         pos = torch.arange(ctx - window, ctx, dtype=torch.int32).expand(B, -1)
         win = dsa_cache_gather(x["win"], x["win_table"], pos, dim=D, rope_dim=rope, dtype=cache_dtype, ring=True,
-                               out_dtype=torch.bfloat16)
+                               out_dtype=x["q"].dtype)  # fp32 for the fp32 peer
         cpos = x["idx"][:, 0] if kind == "csa" else torch.arange(entries, dtype=torch.int32).expand(B, -1)
         cmp = dsa_cache_gather(x["cmp"], x["cmp_table"], cpos, dim=D, rope_dim=rope, dtype=cache_dtype,
-                               out_dtype=torch.bfloat16)
+                               out_dtype=x["q"].dtype)
         kv = torch.cat([win, cmp], dim=1)  # [B, keys, D]
         logits = (x["q"][:, 0] @ kv.transpose(1, 2)).float() * D ** -0.5  # [B, H, keys]
         logits = torch.cat([logits, x["sinks"].view(1, H, 1).expand(B, H, 1)], dim=-1)
         p = torch.softmax(logits, dim=-1)[..., :-1]
-        return p.bfloat16() @ kv
+        return p.to(kv.dtype) @ kv
 
     keys = window + cmp_keys
     record = cache_token_bytes(D, rope, cache_dtype)
@@ -220,7 +225,7 @@ def compressor_append_case(kind: str, B: int, quick: bool = False) -> Case:
         if overlap:  # block w-1 on [0, c), block w on [c, 2c)
             kv = torch.cat([kv[:, :m, :c], kv[:, m:, c:]], 1)
             gate = torch.cat([gate[:, :m, :c], gate[:, m:, c:]], 1)
-        return (kv * gate.softmax(1)).sum(1).bfloat16()
+        return (kv * gate.softmax(1)).sum(1).to(x["kv"].dtype)
 
     return Case(name=f"compressor_append/{kind}-r{m}/bf16/B{B}/c{c}", setup=setup,
                 impls={FUSED: fused, NAIVE: naive}, bytes_moved=float(B * (slots * c * 8 + C * 8)),
