@@ -49,9 +49,9 @@ def test_resume_continues_the_saved_run(tmp_path):
 
 def test_compare_writes_tables_json_and_png(tmp_path):
     out, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
-    r = train("--compare", "--steps", "3", "--warmup-steps", "1", "--json", str(out), "--plot", str(png),
-              "--memory-budget", "0.6")  # ~20 layers of the tiny model: doubling, then bisection. Not lower: a
-              # 1-layer probe read 0.45 GiB in one run and 0.52 in the next (baseline 0.43-0.44 GiB)
+    # The layers-within-budget search has its own test below: over the three configurations
+    # here it took 3 minutes of a 12-minute suite on an AVX2-only Zen 1 class EPYC.
+    r = train("--compare", "--steps", "3", "--warmup-steps", "1", "--json", str(out), "--plot", str(png))
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert set(result["runs"]) == {"unpatched", "sas", "sas+li"}
@@ -88,11 +88,26 @@ def test_compare_writes_tables_json_and_png(tmp_path):
     # fp32: the patched loss curves follow the unpatched one step by step.
     for name, agree in result["loss_agreement"].items():
         assert agree["max_abs_loss_diff"] < 1e-3, (name, agree)
-    for name, b in result["layers_within_budget"].items():
-        assert b["layers"] >= 1, (name, b)
-    assert "s/step median" in r.stdout and "most layers within 0.6 GiB" in r.stdout
+    assert "layers_within_budget" not in result and "most layers within" not in r.stdout
+    assert "s/step median" in r.stdout
     assert "where a step's time goes" in r.stdout
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_finds_the_layers_within_a_memory_budget(tmp_path):
+    """--memory-budget: each configuration's most layers within the budget, searched in a
+    child of its own (the search is the same code for every configuration: one here)."""
+    out, png = tmp_path / "cmp.json", tmp_path / "cmp.png"
+    r = train("--compare", "--configs", "sas+li", "--steps", "2", "--warmup-steps", "1", "--json", str(out),
+              "--plot", str(png), "--memory-budget", "0.6")  # ~20 layers of the tiny model: doubling, then
+              # bisection. Not lower: a 1-layer probe read 0.45 GiB in one run and 0.52 in the next (baseline
+              # 0.43-0.44 GiB)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == set(result["layers_within_budget"]) == {"sas+li"}
+    b = result["layers_within_budget"]["sas+li"]
+    assert b["layers"] >= 1 and b["measured"][str(b["layers"])] <= 0.6, b
+    assert "most layers within 0.6 GiB" in r.stdout
 
 
 def test_compare_skips_an_unpatched_model_that_cannot_fit():
