@@ -166,8 +166,9 @@ struct AttentionKernel {
   // instead, and d_main / d_rope are not touched (start_block_sums, keep_block_sums).
   void (*backward_key_block)(const Shape& shape, const KeyRows& block, const TokenEntries* tokens,
                              std::int64_t n_tokens, void* scratch, float* partial, void* d_main, void* d_rope);
-  // Whether forward_row reads keys with a RowDecoder (bf16 kernels that gather
-  // every key through copy_key_row).
+  // Whether forward_row reads keys with a RowDecoder (the bf16 pair kernels,
+  // which gather every key through copy_key_row, and the fp32 FMA kernels'
+  // load_keys).
   bool decodes_rows = false;
 };
 

@@ -127,12 +127,22 @@ void pack_grad_out(const Shape& s, const Dims& d, const RowBackward& r, float* r
   transpose(rows, d.dvp, d.hp, d.dvp, cols, d.hp);
 }
 
-// Key rows [first, first + n) of `keys` as fp32 rows of dp dims.
-void load_keys(const Shape& s, const Dims& d, const KeyRows& keys, std::int64_t first, std::int64_t n, float* dst) {
+// Key rows [first, first + n) of `keys` as fp32 rows of dp dims. Records behind a
+// RowDecoder (the decode op's FP8 caches, bf16 kernel dtype) are decoded one at a time
+// into `decoded` (s.dim bf16 values, stays in L1) and widened from there: decoding a
+// whole piece into a buffer first sent ~0.5 MiB per piece through the cache hierarchy
+// and back (FP8 1.2x the bf16 cache's time at H = 128, AVX2).
+void load_keys(const Shape& s, const Dims& d, const KeyRows& keys, std::int64_t first, std::int64_t n, float* dst,
+               std::uint16_t* decoded = nullptr) {
   for (std::int64_t k = 0; k < n; ++k) {
     prefetch_key_row(s, keys, first + k + kPrefetchRows);
     float* row = dst + k * d.dp;
-    to_float(keys.main[first + k], s.dtype, s.dim, s.dim, row);
+    if (keys.decoder) {
+      keys.decoder->decode(keys.decoder->context, first + k, decoded);
+      to_float(reinterpret_cast<const char*>(decoded), DType::bf16, s.dim, s.dim, row);
+    } else {
+      to_float(keys.main[first + k], s.dtype, s.dim, s.dim, row);
+    }
     to_float(s.rope_dim ? keys.rope[first + k] : nullptr, s.dtype, s.rope_dim, d.dp - s.dim, row + s.dim);
   }
 }
@@ -167,7 +177,7 @@ std::size_t fma_scratch_bytes(const Shape& s) {
   const std::int64_t dp32 = ScoreDims(s).dp32;
   const std::int64_t forward = (H + kBlock) * dp32 / 2 + kBlock * d.dvp + kBlock * H + H * d.dvp + 3 * H;
 #else
-  const std::int64_t forward = 2 * H * d.dp + kBlock * d.dp + kBlock * H + H * d.dvp + 3 * H;
+  const std::int64_t forward = 2 * H * d.dp + kBlock * d.dp + kBlock * H + H * d.dvp + 3 * H + (d.dp + 1) / 2;
 #endif
   const std::int64_t query_pass = 2 * H * d.dp + H * d.dvp + kBlock * d.dp + 2 * kBlock * H + H * d.dp + 3 * H;
   const std::int64_t key_pass = 2 * s.owner_rows * d.dp + 2 * H * d.dp + 2 * H * d.dvp + 2 * kBlock * H + 3 * H +
@@ -201,6 +211,7 @@ void fma_forward_row(const Shape& s, const float* sinks, const QueryRow& query, 
   float* qt = c.take<float>(d.dp * d.hp);
   const std::int64_t v_stride = d.dp;  // kb: whole keys, whose first d_v dims are the values
   float* kb = c.take<float>(kBlock * v_stride);
+  auto* decoded = c.take<std::uint16_t>(d.dp);  // one decoded record (load_keys)
   pack_query(s, d, query, qrows, qt);
 #endif
   float* st = c.take<float>(kBlock * d.hp);
@@ -226,7 +237,7 @@ void fma_forward_row(const Shape& s, const float* sinks, const QueryRow& query, 
     for (std::int64_t k = 0; k < n; ++k)
       to_float(reinterpret_cast<const char*>(kb16 + k * sd.dp32), s.dtype, s.d_v, d.dvp, kb + k * d.dvp);
 #else
-    load_keys(s, d, keys, first, n, kb);
+    load_keys(s, d, keys, first, n, kb, decoded);
     // S^T = Kb . Q^T
     rows_of(kb, d.dp, n, arow);
     rows_of(st, d.hp, n, crow);
@@ -434,8 +445,9 @@ const AttentionKernel& DSA_FMA_KERNEL_NAME() {
 }
 #else
 const AttentionKernel& DSA_FMA_KERNEL_NAME() {
-  static const AttentionKernel kernel{DSA_FMA_KERNEL_LABEL, fma_scratch_bytes, fma_packed_row_bytes, fma_forward_row,
-                                      fma_backward_query_row, fma_backward_key_block};
+  static const AttentionKernel kernel{DSA_FMA_KERNEL_LABEL,   fma_scratch_bytes,      fma_packed_row_bytes,
+                                      fma_forward_row,        fma_backward_query_row, fma_backward_key_block,
+                                      /*decodes_rows=*/true};
   return kernel;
 }
 #endif

@@ -8,8 +8,9 @@
 // cache, nothing copied); an FP8 record, or a storage dtype other than the
 // kernel's, is dequantised once and serves every head: by the kernel's own
 // gather where it takes a RowDecoder (the bf16 pair kernels: the next block's
-// records are then fetched while the products run, as for bf16 records), else
-// into a per-thread buffer a piece at a time.
+// records are then fetched while the products run, as for bf16 records; the
+// fp32 FMA kernels: one record at a time into an L1 row, then widened), else
+// (portable) into a per-thread buffer a piece at a time.
 // The kernel dtype is bf16 for bf16 queries over bf16 or FP8 caches (FP8
 // codes times power-of-two scales are bf16 values exactly), fp32 otherwise.
 //
