@@ -69,9 +69,9 @@ RowSplit split_row(std::int64_t keys, std::int64_t max_groups, std::int64_t max_
   r.pieces = std::max<std::int64_t>(1, (keys + r.piece - 1) / r.piece);
   if (r.pieces > 1 && r.pieces % 2 == 1 && r.pieces < max_groups) {
     // An odd count of one-piece groups leaves a core idle for the last one: 2048 keys
-    // in the dequantised pieces of 448 keys made 5 tasks, 3 rounds on 2 cores (an FP8
-    // cache, batch 1, H = 128: 1.39x the bf16 cache's time, AVX2). One more piece, all
-    // shorter, gives every core the same share on 2 or 2k cores.
+    // in dequantised pieces of 448 keys made 5 tasks, 3 rounds on 2 cores (FP8 through
+    // the buffer, batch 1, H = 128: 9 % slower than 6 pieces, Zen 1 class AVX2). One
+    // more piece, all shorter, gives each of 2 cores the same share.
     const std::int64_t shorter = (keys + r.pieces) / (r.pieces + 1);
     r.piece = std::max<std::int64_t>(32, (shorter + 31) / 32 * 32);
     r.pieces = (keys + r.piece - 1) / r.piece;
