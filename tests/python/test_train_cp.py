@@ -31,14 +31,22 @@ def _run(prefix, args, json_path):
                           text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
 
 
-def test_cp2_matches_single_process(tmp_path):
-    single, parallel = tmp_path / "single.json", tmp_path / "cp.json"
-    r = _run([sys.executable], [], single)
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory):
+    """The plain one-process run of TINY, the oracle of the CP and checkpointing tests
+    (run once: on a 2-core machine a dsa.train process costs ~10 s)."""
+    path = tmp_path_factory.mktemp("single") / "single.json"
+    r = _run([sys.executable], [], path)
     assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(path.read_text())
+
+
+def test_cp2_matches_single_process(tmp_path, single_process_run):
+    parallel = tmp_path / "cp.json"
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     r = _run(torchrun, ["--cp", "2"], parallel)
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b = json.loads(single.read_text()), json.loads(parallel.read_text())
+    a, b = single_process_run, json.loads(parallel.read_text())
     assert len(a["steps"]) == len(b["steps"]) == 3
     for x, y in zip(a["steps"], b["steps"]):
         assert abs(x["loss"] - y["loss"]) <= 1e-4 * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
@@ -127,18 +135,18 @@ def test_cp_flag_errors(monkeypatch, capsys):
     assert "--cp: expected an integer >= 1, got 0" in err, err
 
 
-def test_gradient_checkpointing_keeps_the_loss_curve(tmp_path):
+def test_gradient_checkpointing_keeps_the_loss_curve(tmp_path, single_process_run):
     """--gradient-checkpointing (one process, and under --cp 2) trains the same steps as
     the run that keeps its activations: dsa's ops recompute the same bits, and under CP
     the recompute's collectives run in the same order on both ranks."""
-    plain, ckpt, cp_ckpt = tmp_path / "plain.json", tmp_path / "ckpt.json", tmp_path / "cp_ckpt.json"
-    for prefix, args, path in (([sys.executable], [], plain),
-                               ([sys.executable], ["--gradient-checkpointing"], ckpt),
+    ckpt, cp_ckpt = tmp_path / "ckpt.json", tmp_path / "cp_ckpt.json"
+    for prefix, args, path in (([sys.executable], ["--gradient-checkpointing"], ckpt),
                                ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                  "2"], ["--cp", "2", "--gradient-checkpointing"], cp_ckpt)):
         r = _run(prefix, args, path)
         assert r.returncode == 0, r.stderr[-3000:]
-    a, b, c = (json.loads(p.read_text()) for p in (plain, ckpt, cp_ckpt))
+    a = single_process_run
+    b, c = (json.loads(p.read_text()) for p in (ckpt, cp_ckpt))
     assert b["spec"]["gradient_checkpointing"] and c["spec"]["gradient_checkpointing"]
     for x, y, z in zip(a["steps"], b["steps"], c["steps"]):
         assert y["loss"] == x["loss"], (x["step"], x["loss"], y["loss"])  # one process: the same bits

@@ -24,6 +24,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cassert>
 #include <cmath>
 #include <cstring>
 
@@ -132,8 +133,10 @@ void pack_grad_out(const Shape& s, const Dims& d, const RowBackward& r, float* r
 // into `decoded` (s.dim bf16 values, stays in L1) and widened from there: decoding a
 // whole piece into a buffer first sent ~0.5 MiB per piece through the caches and back,
 // and bounded the pieces to 448 keys (2-5 % slower on a Zen 1 class AVX2 EPYC).
+// The backward passes no buffer: its keys are tensors, never behind a decoder.
 void load_keys(const Shape& s, const Dims& d, const KeyRows& keys, std::int64_t first, std::int64_t n, float* dst,
-               std::uint16_t* decoded = nullptr) {
+               std::uint16_t* decoded) {
+  assert(decoded || !keys.decoder);
   for (std::int64_t k = 0; k < n; ++k) {
     prefetch_key_row(s, keys, first + k + kPrefetchRows);
     float* row = dst + k * d.dp;
@@ -333,7 +336,7 @@ void fma_backward_query_row(const Shape& s, const QueryRow& query, const RowBack
   const Vec scale = vset(s.scale);
   for (std::int64_t first = 0; first < keys.count; first += kBlock) {
     const std::int64_t n = std::min(kBlock, keys.count - first);
-    load_keys(s, d, keys, first, n, kb);
+    load_keys(s, d, keys, first, n, kb, /*decoded=*/nullptr);
     rows_of(kb, d.dp, n, arow);
     rows_of(st, d.hp, n, crow);
     gemm(n, d.hp, d.dp, arow, 1, qt, d.hp, crow, false);  // S^T
@@ -381,7 +384,7 @@ void fma_backward_key_block(const Shape& s, const KeyRows& block, const TokenEnt
   std::uint16_t* unique = c.take<std::uint16_t>(s.owner_rows);
   float** arow = c.take<float*>(pointer_count(d));
   float** crow = c.take<float*>(pointer_count(d));
-  load_keys(s, d, block, 0, block.count, kbb);
+  load_keys(s, d, block, 0, block.count, kbb, /*decoded=*/nullptr);
   start_block_sums(s, partial, block.count, block.count, d.dp, acc);
   std::fill(weight, weight + s.owner_rows, 0.0f);
   const Vec scale = vset(s.scale);
