@@ -40,14 +40,16 @@ test-cpp: build
 # processes (dsa-train, dsa-bench, gloo ranks at --threads 1) and their imports, which
 # left a third of a 2-core machine idle. loadfile: a file's tests run in order in one
 # worker, its module fixtures once (test by test, --dist worksteal, took longer);
-# tests/python/conftest.py starts the longest files first. OpenMP threads wait passively:
+# tests/python/conftest.py puts the longest files first and --no-loadscope-reorder keeps
+# that order (xdist would hand out the files with the most tests first, leaving the long
+# ones to the end). OpenMP threads wait passively:
 # two workers' torch ops share 2 cores, and spinning at their barriers had made some
 # in-process tests 2-9x slower. On an AVX2-only Zen 1 class EPYC (2026-12-07): one process
 # 638 s, two workers 458 s, passive waits 420 s. PYTEST_WORKERS=0: one process.
 # --durations lists the slowest tests in the log.
 PYTEST_WORKERS ?= 2
 test-python: build
-	OMP_WAIT_POLICY=passive $(PYENV) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15 tests/python
+	OMP_WAIT_POLICY=passive $(PYENV) $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests/python
 
 # The install paths users take: `pip install .` and find_package(dsa).
 test-install: setup

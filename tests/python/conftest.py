@@ -1,5 +1,5 @@
 """`make test` runs this suite in two pytest-xdist workers, one file per worker at a time
-(--dist loadfile), handing out files in collection order. The files below take one to
+(--dist loadfile --no-loadscope-reorder), handing out files in collection order. The files below take one to
 three minutes each on a 2-core machine (dsa-train, dsa-bench and torchrun children):
 collected first, they start first and the short files fill the other worker, instead of
 one long file running alone at the end. A plain `pytest` run keeps the usual order."""

@@ -75,7 +75,7 @@ void dense_indexer_lse(const DenseLseProblem& p) {
         s.weights[t * iq.heads + h] = p.scale * p.weights.at(row0 + t, h, 0);
     // Online log-sum-exp: running max and the sum of exp(score - max), in key order.
     float running_max[kQueryBlock], running_sum[kQueryBlock];
-    std::int64_t visible[kQueryBlock];
+    std::int64_t visible[kQueryBlock] = {};  // task.tokens >= 1, but GCC 12 cannot see it
     for (std::int64_t t = 0; t < task.tokens; ++t) {
       running_max[t] = core::kNegInf;
       running_sum[t] = 0.0f;

@@ -97,7 +97,7 @@ void indexer_topk(const IndexerProblem& p) {
             p.scale * core::load_float(p.weights, p.weights_dtype,
                                        (row0 + t) * p.weights_row_stride + h * p.weights_head_stride);
 
-    std::int64_t visible[kQueryBlock];
+    std::int64_t visible[kQueryBlock] = {};  // task.tokens >= 1, but GCC 12 cannot see it
     RowTopK rows[kQueryBlock];
     for (std::int64_t t = 0; t < task.tokens; ++t) {
       visible[t] = visible_compressed(seq.position(task.first + t), p.ratio);
