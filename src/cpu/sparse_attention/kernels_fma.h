@@ -140,12 +140,12 @@ void load_keys(const Shape& s, const Dims& d, const KeyRows& keys, std::int64_t 
   for (std::int64_t k = 0; k < n; ++k) {
     prefetch_key_row(s, keys, first + k + kPrefetchRows);
     float* row = dst + k * d.dp;
-    if (keys.decoder) {
+    const char* main = keys.main[first + k];
+    if (keys.decoder) {  // then s.dtype is bf16, what the decoder writes
       keys.decoder->decode(keys.decoder->context, first + k, decoded);
-      to_float(reinterpret_cast<const char*>(decoded), DType::bf16, s.dim, s.dim, row);
-    } else {
-      to_float(keys.main[first + k], s.dtype, s.dim, s.dim, row);
+      main = reinterpret_cast<const char*>(decoded);
     }
+    to_float(main, s.dtype, s.dim, s.dim, row);
     to_float(s.rope_dim ? keys.rope[first + k] : nullptr, s.dtype, s.rope_dim, d.dp - s.dim, row + s.dim);
   }
 }
