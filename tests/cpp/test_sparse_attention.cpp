@@ -276,6 +276,14 @@ void check_config(const Config& c, unsigned seed = 1) {
                             std::tuple{&fused1.dcmp, &chunked.dcmp, "chunked dcmp"}, std::tuple{&fused1.dkr, &chunked.dkr, "chunked dkr"},
                             std::tuple{&fused1.dsinks, &chunked.dsinks, "chunked dsinks"}})
     expect_identical(*a, *b, name);
+  // Kernels that keep P and dS between the backward's passes recompute them
+  // where a row is too long to keep: that path, chunked too, against the reference.
+  cpu::attention_kernels::recompute_backward_weights_for_testing(true);
+  cpu::attention_kernels::limit_backward_chunk_rows_for_testing(5);
+  Results recomputed = run(p, Backend::cpu, 2);
+  cpu::attention_kernels::limit_backward_chunk_rows_for_testing(0);
+  cpu::attention_kernels::recompute_backward_weights_for_testing(false);
+  compare_all(recomputed, ref, c);
 }
 
 Config tnd(std::vector<std::int64_t> q, std::vector<std::int64_t> k) {

@@ -54,6 +54,14 @@ struct Shape {
   // products (cpu/isa/line_drip.h) rather than during the block's copy. Off for
   // prefill, whose keys mostly come from L2/L3 and gain nothing from it.
   bool cache_keys = false;
+  // Backward: attended keys per query row (the most any row has) whose softmax
+  // weights P and dS the dq pass keeps in the row's packed state for the dkv
+  // pass, which then multiplies instead of recomputing the logits and dP (two
+  // of the backward's seven GEMM-sized products per pair). 0: the dkv pass
+  // recomputes them. The driver sets it only for kernels that keep weights
+  // (AttentionKernel::keeps_weights) and only where a chunk of rows holds them
+  // in its memory budget (long dense rows do not).
+  std::int64_t kept_keys = 0;
   std::int64_t qk_dim() const { return dim + rope_dim; }
 };
 
@@ -137,12 +145,15 @@ struct RowBackward {
 };
 
 // One token's entries inside an owned key block (offsets into the block,
-// duplicates repeated), for the dkv pass.
+// duplicates repeated), for the dkv pass. slots[e] is entry e's place in the
+// token's attended list (gather order: the raw part, then the compressed part),
+// where the dq pass kept its weights (Shape::kept_keys; null when none are kept).
 struct TokenEntries {
   QueryRow query;
   RowBackward row;
   const std::uint16_t* offsets;
   std::int64_t count;
+  const std::int32_t* slots = nullptr;
 };
 
 struct AttentionKernel {
@@ -170,6 +181,9 @@ struct AttentionKernel {
   // which gather every key through copy_key_row, and the fp32 FMA kernels'
   // load_keys).
   bool decodes_rows = false;
+  // Whether the backward can keep P and dS between its passes (Shape::kept_keys:
+  // packed_row_bytes then grows with it, and the dkv pass reads TokenEntries::slots).
+  bool keeps_weights = false;
 };
 
 // backward_key_block's fp32 sums `acc` [rows][stride] (stride >= qk_dim, rows
@@ -262,5 +276,8 @@ void use_pair_forward_for_testing(bool on);
 // Tests only: the backward's chunks of query rows hold at most `rows` rows
 // (0: the memory budget decides, as in use); the results must not change.
 void limit_backward_chunk_rows_for_testing(std::int64_t rows);
+// Tests only: the backward keeps no weights between its passes (Shape::kept_keys
+// stays 0) and its dkv pass recomputes them, as for rows too long to keep.
+void recompute_backward_weights_for_testing(bool on);
 
 }  // namespace dsa::cpu::attention_kernels

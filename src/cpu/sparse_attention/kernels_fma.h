@@ -13,7 +13,9 @@
 //   dq pass   S^T, dP^T = Kb . dO^T, dS^T, then dQ [heads][dims] += dS . Kb
 //   dkv pass  per token: S^T, dP^T for its entries of the owned block, then
 //             dK rows += dS^T . Q and dV rows += P^T . dO straight into the
-//             block's fp32 accumulator rows.
+//             block's fp32 accumulator rows. Where the driver lets the dq pass
+//             keep P and dS (Shape::kept_keys), the dkv pass reads them instead
+//             of recomputing S^T and dP^T: 5 GEMM-sized products a pair, not 7.
 // The softmax is vectorised over heads (S^T rows), with the pair kernels'
 // lazily updated reference max. Accumulation orders are fixed: results do not
 // depend on the thread count.
@@ -101,7 +103,7 @@ void gather_keys_bf16(const Shape& s, const ScoreDims& sd, const KeyRows& keys, 
   }
 }
 #else
-// The query row as fp32 rows [hp][dp] (padding zero) and its transpose [dp][hp].
+// The query row as fp32 rows [hp][dp] (padding zero) and, where `cols` is given, its transpose [dp][hp].
 void pack_query(const Shape& s, const Dims& d, const QueryRow& q, float* rows, float* cols) {
   const std::size_t es = dtype_size(s.dtype);
   for (std::int64_t h = 0; h < d.hp; ++h) {
@@ -114,10 +116,10 @@ void pack_query(const Shape& s, const Dims& d, const QueryRow& q, float* rows, f
       std::fill(row, row + d.dp, 0.0f);
     }
   }
-  transpose(rows, d.dp, d.hp, d.dp, cols, d.hp);
+  if (cols) transpose(rows, d.dp, d.hp, d.dp, cols, d.hp);
 }
 
-// grad_out as fp32 rows [hp][dvp] and its transpose [dvp][hp].
+// grad_out as fp32 rows [hp][dvp] and, where `cols` is given, its transpose [dvp][hp].
 void pack_grad_out(const Shape& s, const Dims& d, const RowBackward& r, float* rows, float* cols) {
   const std::size_t es = dtype_size(s.dtype);
   for (std::int64_t h = 0; h < d.hp; ++h) {
@@ -125,7 +127,7 @@ void pack_grad_out(const Shape& s, const Dims& d, const RowBackward& r, float* r
     if (h < s.heads) to_float(r.grad_out + h * r.go_head_stride * es, s.dtype, s.d_v, d.dvp, row);
     else std::fill(row, row + d.dvp, 0.0f);
   }
-  transpose(rows, d.dvp, d.hp, d.dvp, cols, d.hp);
+  if (cols) transpose(rows, d.dvp, d.hp, d.dvp, cols, d.hp);
 }
 
 // Key rows [first, first + n) of `keys` as fp32 rows of dp dims. Records behind a
@@ -183,13 +185,20 @@ std::size_t fma_scratch_bytes(const Shape& s) {
   const std::int64_t forward = 2 * H * d.dp + kBlock * d.dp + kBlock * H + H * d.dvp + 3 * H + (d.dp + 1) / 2;
 #endif
   const std::int64_t query_pass = 2 * H * d.dp + H * d.dvp + kBlock * d.dp + 2 * kBlock * H + H * d.dp + 3 * H;
-  const std::int64_t key_pass = 2 * s.owner_rows * d.dp + 2 * H * d.dp + 2 * H * d.dvp + 2 * kBlock * H + 3 * H +
-                                s.owner_rows + s.owner_rows / 2 + 1;  // weights, then the uint16 list of unique entries
+  // The block's keys and sums (kept weights: merged P and dS rows of a token's
+  // repeated entries where the keys would be), ...
+  const std::int64_t key_pass = s.owner_rows * std::max(d.dp, 2 * H) + s.owner_rows * d.dp + 2 * H * d.dp +
+                                2 * H * d.dvp + 2 * kBlock * H + 3 * H + s.owner_rows +
+                                s.owner_rows / 2 + 1;  // weights, then the uint16 list of unique entries
   const std::int64_t floats = std::max({forward, query_pass, key_pass});
   return static_cast<std::size_t>(floats) * 4 + 2 * pointer_count(d) * sizeof(float*) + 16 * 64;
 }
 
-std::size_t fma_packed_row_bytes(const Shape&) { return 0; }
+// Kept weights: a row's P^T then its scale * dS^T, [kept_keys][hp] each, in fp32
+// (the fp32 FMA products' operands as they were computed).
+std::size_t fma_packed_row_bytes(const Shape& s) {
+  return static_cast<std::size_t>(2 * s.kept_keys * Dims(s).hp) * sizeof(float);
+}
 
 // Row pointers base + i * stride for i < n.
 void rows_of(float* base, std::int64_t stride, std::int64_t n, float** out) {
@@ -342,12 +351,18 @@ void fma_backward_query_row(const Shape& s, const QueryRow& query, const RowBack
     gemm(n, d.hp, d.dp, arow, 1, qt, d.hp, crow, false);  // S^T
     rows_of(dpt, d.hp, n, crow);
     gemm(n, d.hp, d.dvp, arow, 1, gt, d.hp, crow, false);  // dP^T (dO^T rows past d_v are zero)
+    float* kept_p = s.kept_keys ? static_cast<float*>(row.packed) + first * d.hp : nullptr;
+    float* kept_ds = kept_p ? kept_p + s.kept_keys * d.hp : nullptr;
     for (std::int64_t g = 0; g < d.hp; g += kLanes) {
       const Vec m = vload(mx + g), f = vload(cf + g), de = vload(dl + g);
       for (std::int64_t k = 0; k < n; ++k) {
         Vec p, ds;
         softmax_grad(vload(st + k * d.hp + g), vload(dpt + k * d.hp + g), scale, m, f, de, p, ds);
         vstore(st + k * d.hp + g, ds);
+        if (kept_p) {  // for the dkv pass (fma_backward_key_block_kept)
+          vstore(kept_p + k * d.hp + g, p);
+          vstore(kept_ds + k * d.hp + g, vmul(ds, scale));
+        }
       }
     }
     // dQ += dS . Kb: A(h, k) = dS^T[k][h].
@@ -365,8 +380,92 @@ void fma_backward_query_row(const Shape& s, const QueryRow& query, const RowBack
   }
 }
 
+// The block's fp32 sums `acc` [count][dp] to d_main / d_rope, or back to `partial`.
+void finish_key_block(const Shape& s, const Dims& d, const float* acc, std::int64_t count, float* partial,
+                      void* d_main, void* d_rope) {
+  if (keep_block_sums(s, acc, count, d.dp, partial)) return;
+  const std::size_t es = dtype_size(s.dtype);
+  for (std::int64_t k = 0; k < count; ++k) {
+    from_float(acc + k * d.dp, s.dtype, s.dim, static_cast<char*>(d_main) + k * s.dim * es);
+    if (s.rope_dim) from_float(acc + k * d.dp + s.dim, s.dtype, s.rope_dim, static_cast<char*>(d_rope) + k * s.rope_dim * es);
+  }
+}
+
+// The dkv pass on the weights the dq pass kept (Shape::kept_keys): per token,
+// dK rows += dS^T . Q and dV rows += P^T . dO with A rows read in place from
+// the token's packed P^T and dS^T. The block's keys are never loaded. A key the
+// token lists more than once (an index list with repeats) gets one row, the sum
+// of its entries' rows, as two C rows of one product must not alias.
+void fma_backward_key_block_kept(const Shape& s, const KeyRows& block, const TokenEntries* tokens,
+                                 std::int64_t n_tokens, void* scratch, float* partial, void* d_main, void* d_rope) {
+  constexpr std::uint16_t kAbsent = 0xFFFF;  // owner_rows <= kMaxOwnerBlock < 2^16
+  const Dims d(s);
+  Carver c{static_cast<char*>(scratch)};
+  float* merged = c.take<float>(s.owner_rows * std::max(d.dp, 2 * d.hp));  // P^T rows, then dS^T rows
+  float* acc = c.take<float>(s.owner_rows * d.dp);
+  float* qrows = c.take<float>(d.hp * d.dp);
+  float* grows = c.take<float>(d.hp * d.dvp);
+  float* mx = c.take<float>(d.hp);
+  float* cf = c.take<float>(d.hp);
+  float* dl = c.take<float>(d.hp);
+  std::uint16_t* where = c.take<std::uint16_t>(s.owner_rows);  // a block row's place in `unique`
+  std::uint16_t* unique = c.take<std::uint16_t>(s.owner_rows);
+  const float** arow = c.take<const float*>(pointer_count(d));
+  float** crow = c.take<float*>(pointer_count(d));
+  start_block_sums(s, partial, block.count, block.count, d.dp, acc);
+  std::fill(where, where + s.owner_rows, kAbsent);
+  float* merged_ds = merged + s.owner_rows * d.hp;
+  for (std::int64_t t = 0; t < n_tokens; ++t) {
+    const TokenEntries& tok = tokens[t];
+    assert(tok.slots && tok.row.packed);
+    std::int64_t n_unique = 0;
+    for (std::int64_t e = 0; e < tok.count; ++e)
+      if (where[tok.offsets[e]] == kAbsent) {
+        where[tok.offsets[e]] = static_cast<std::uint16_t>(n_unique);
+        unique[n_unique++] = tok.offsets[e];
+      }
+    pack_query(s, d, tok.query, qrows, nullptr);
+    pack_grad_out(s, d, tok.row, grows, nullptr);
+    load_constants(s, d, tok.row, mx, cf, dl);
+    zero_dead_heads(s, d, mx, qrows, grows);
+    const float* kept_p = static_cast<const float*>(tok.row.packed);
+    const float* kept_ds = kept_p + s.kept_keys * d.hp;
+    const bool repeats = n_unique < tok.count;
+    if (repeats) {
+      std::fill(merged, merged + n_unique * d.hp, 0.0f);
+      std::fill(merged_ds, merged_ds + n_unique * d.hp, 0.0f);
+      for (std::int64_t e = 0; e < tok.count; ++e) {
+        const std::int64_t u = where[tok.offsets[e]], slot = tok.slots[e];
+        for (std::int64_t h = 0; h < d.hp; h += kLanes) {
+          vstore(merged + u * d.hp + h, vadd(vload(merged + u * d.hp + h), vload(kept_p + slot * d.hp + h)));
+          vstore(merged_ds + u * d.hp + h, vadd(vload(merged_ds + u * d.hp + h), vload(kept_ds + slot * d.hp + h)));
+        }
+      }
+    }
+    // Entry e's A rows: its kept rows, or its merged rows (then e runs over `unique`).
+    const std::int64_t entries = repeats ? n_unique : tok.count;
+    for (std::int64_t first = 0; first < entries; first += kBlock) {
+      const std::int64_t n = std::min(kBlock, entries - first);
+      for (std::int64_t e = 0; e < n; ++e) {
+        const std::int64_t x = first + e;
+        crow[e] = acc + (repeats ? unique[x] : tok.offsets[x]) * d.dp;
+        arow[e] = repeats ? merged_ds + x * d.hp : kept_ds + tok.slots[x] * d.hp;
+      }
+      gemm(n, d.dp, d.hp, arow, 1, qrows, d.dp, crow, true);  // dK rows += dS^T . Q
+      for (std::int64_t e = 0; e < n; ++e) {
+        const std::int64_t x = first + e;
+        arow[e] = repeats ? merged + x * d.hp : kept_p + tok.slots[x] * d.hp;
+      }
+      gemm(n, d.dvp, d.hp, arow, 1, grows, d.dvp, crow, true);  // dV rows += P^T . dO
+    }
+    for (std::int64_t u = 0; u < n_unique; ++u) where[unique[u]] = kAbsent;
+  }
+  finish_key_block(s, d, acc, block.count, partial, d_main, d_rope);
+}
+
 void fma_backward_key_block(const Shape& s, const KeyRows& block, const TokenEntries* tokens, std::int64_t n_tokens,
                             void* scratch, float* partial, void* d_main, void* d_rope) {
+  if (s.kept_keys) return fma_backward_key_block_kept(s, block, tokens, n_tokens, scratch, partial, d_main, d_rope);
   const Dims d(s);
   Carver c{static_cast<char*>(scratch)};
   float* kbb = c.take<float>(s.owner_rows * d.dp);
@@ -426,12 +525,7 @@ void fma_backward_key_block(const Shape& s, const KeyRows& block, const TokenEnt
     }
     for (std::int64_t e = 0; e < n_unique; ++e) weight[unique[e]] = 0.0f;
   }
-  if (keep_block_sums(s, acc, block.count, d.dp, partial)) return;
-  const std::size_t es = dtype_size(s.dtype);
-  for (std::int64_t k = 0; k < block.count; ++k) {
-    from_float(acc + k * d.dp, s.dtype, s.dim, static_cast<char*>(d_main) + k * s.dim * es);
-    if (s.rope_dim) from_float(acc + k * d.dp + s.dim, s.dtype, s.rope_dim, static_cast<char*>(d_rope) + k * s.rope_dim * es);
-  }
+  finish_key_block(s, d, acc, block.count, partial, d_main, d_rope);
 }
 
 #endif  // !DSA_FMA_BF16_SCORES
@@ -450,7 +544,7 @@ const AttentionKernel& DSA_FMA_KERNEL_NAME() {
 const AttentionKernel& DSA_FMA_KERNEL_NAME() {
   static const AttentionKernel kernel{DSA_FMA_KERNEL_LABEL,   fma_scratch_bytes,      fma_packed_row_bytes,
                                       fma_forward_row,        fma_backward_query_row, fma_backward_key_block,
-                                      /*decodes_rows=*/true};
+                                      /*decodes_rows=*/true,  /*keeps_weights=*/true};
   return kernel;
 }
 #endif

@@ -45,6 +45,11 @@ std::atomic<bool>& pair_forward_for_testing() {
   return on;
 }
 
+std::atomic<bool>& recompute_weights_for_testing() {
+  static std::atomic<bool> on{false};
+  return on;
+}
+
 // What a kernel is chosen by: the inputs' dtype and the pass.
 struct KernelQuery {
   DType dtype;
@@ -107,6 +112,16 @@ std::int64_t max_attended(const SparseAttentionProblem& p) {
   std::int64_t raw = p.indices ? p.topk : (p.window > 0 ? std::min(p.window, max_k) : max_k);
   std::int64_t cmp = p.cmp_kv ? (p.cmp_indices ? p.cmp_topk : max_c) : 0;  // duplicates count
   return raw + cmp;
+}
+
+// Entries of query i's raw part, which leads its attended list (gather_row).
+std::int64_t raw_attended(const SparseAttentionProblem& p, const core::SequenceSlice& seq, std::int64_t i) {
+  const auto w = p.row_window(seq, i);
+  if (!p.indices) return std::max<std::int64_t>(0, w.pos - w.raw_lo + 1);
+  const std::int32_t* idx = p.indices + (seq.q_begin + i) * p.idx_row_stride;
+  std::int64_t n = 0;
+  for (std::int64_t k = 0; k < p.topk; ++k) n += idx[k] >= 0 && idx[k] < seq.k_len && idx[k] <= w.pos;
+  return n;
 }
 
 struct RowPointers {
@@ -211,10 +226,13 @@ struct InvertedIndex {
   // in all (int32 had been enough only for one sequence's local positions).
   std::vector<std::int64_t> rows;
   std::vector<std::uint16_t> offsets;
+  // Each pair's place in its row's attended list (TokenEntries::slots); only
+  // where the backward keeps weights.
+  std::vector<std::int32_t> slots;
 };
 
 InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std::vector<std::int64_t>& block_base,
-                     std::int64_t owner_rows) {
+                     std::int64_t owner_rows, bool with_slots) {
   InvertedIndex inv;
   const std::int64_t blocks = block_base.back();
   inv.start.assign(blocks + 1, 0);
@@ -228,24 +246,29 @@ InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std
         const std::int64_t row = seq.q_begin + i;
         const auto w = p.row_window(seq, i);
         const std::int32_t* idx = indices + row * stride;
+        // The row's attended list holds its valid entries in slot order, the
+        // compressed ones after the raw part.
+        std::int64_t slot = compressed && with_slots ? raw_attended(p, seq, i) : 0;
         for (std::int64_t k = 0; k < k_count; ++k) {
           const std::int64_t j = idx[k];
           const bool valid = compressed ? (j >= 0 && j < seq.c_len && j < w.cmp_visible)
                                         : (j >= 0 && j < seq.k_len && j <= w.pos);
-          if (valid) visit(block_base[b] + j / owner_rows, row, j % owner_rows);
+          if (valid) visit(block_base[b] + j / owner_rows, row, j % owner_rows, slot++);
         }
       }
     }
   };
-  for_each_valid([&](std::int64_t block, std::int64_t, std::int64_t) { ++inv.start[block + 1]; });
+  for_each_valid([&](std::int64_t block, std::int64_t, std::int64_t, std::int64_t) { ++inv.start[block + 1]; });
   for (std::int64_t b = 0; b < blocks; ++b) inv.start[b + 1] += inv.start[b];
   inv.rows.resize(inv.start.back());
   inv.offsets.resize(inv.start.back());
+  if (with_slots) inv.slots.resize(inv.start.back());
   std::vector<std::int64_t> fill(inv.start.begin(), inv.start.end() - 1);
-  for_each_valid([&](std::int64_t block, std::int64_t row, std::int64_t offset) {
+  for_each_valid([&](std::int64_t block, std::int64_t row, std::int64_t offset, std::int64_t slot) {
     const std::int64_t at = fill[block]++;
     inv.rows[at] = row;
     inv.offsets[at] = static_cast<std::uint16_t>(offset);
+    if (with_slots) inv.slots[at] = static_cast<std::int32_t>(slot);  // < max_attended, checked by the caller
   });
   return inv;
 }
@@ -298,12 +321,32 @@ std::atomic<std::int64_t>& backward_chunk_limit_for_testing() {
 // to ~512 MiB. Each chunk reloads every owned block's keys and fp32 sums, so a
 // chunk is never under 1024 rows, where that reload is small against the
 // chunk's own work. Kernels with no packed state run in one chunk.
-std::int64_t backward_chunk_rows(std::size_t packed_row_bytes) {
+constexpr std::size_t kPackedBudget = std::size_t{512} << 20;
+// Kept weights (Shape::kept_keys) are 1 MiB a row at H = 64 with 2048 keys in
+// fp32: a chunk keeps 256 MiB of them. Their dkv pass reloads no keys, only
+// the blocks' fp32 sums (~19 MiB at 4096 keys of 576 dims), so a chunk may be
+// as short as kMinKeptChunk rows; rows that long-dense (64 Ki keys) get no
+// kept weights and recompute instead.
+constexpr std::size_t kKeptBudget = std::size_t{256} << 20;
+constexpr std::int64_t kMinKeptChunk = 64;
+
+std::int64_t backward_chunk_rows(std::size_t packed_row_bytes, bool kept_weights) {
   if (const std::int64_t limit = backward_chunk_limit_for_testing().load(std::memory_order_relaxed); limit > 0)
     return limit;
   if (packed_row_bytes == 0) return std::numeric_limits<std::int64_t>::max();
-  constexpr std::size_t kPackedBudget = std::size_t{512} << 20;
+  if (kept_weights) return static_cast<std::int64_t>(kKeptBudget / packed_row_bytes);  // >= kMinKeptChunk
   return std::max<std::int64_t>(1024, static_cast<std::int64_t>(kPackedBudget / packed_row_bytes));
+}
+
+// Keys per row whose weights the backward keeps (Shape::kept_keys), or 0.
+std::int64_t kept_keys_for(const AttentionKernel& kernel, const SparseAttentionProblem& p, Shape shape) {
+  if (!kernel.keeps_weights || recompute_weights_for_testing().load(std::memory_order_relaxed)) return 0;
+  const std::int64_t attended = max_attended(p);
+  if (attended <= 0 || attended > std::numeric_limits<std::int32_t>::max()) return 0;  // slots are int32
+  if (static_cast<__int128>(attended) * p.heads > static_cast<__int128>(kKeptBudget)) return 0;  // before any size_t product
+  shape.kept_keys = attended;
+  const std::size_t row_bytes = kernel.packed_row_bytes(shape);
+  return row_bytes * kMinKeptChunk <= kKeptBudget ? attended : 0;
 }
 
 }  // namespace
@@ -313,6 +356,7 @@ const AttentionKernel& pick_forward_kernel(DType dtype) { return pick_kernel(dty
 const AttentionKernel& pick_decode_kernel(DType dtype) { return pick_kernel(dtype, Pass::decode); }
 void use_pair_forward_for_testing(bool on) { pair_forward_for_testing().store(on); }
 void limit_backward_chunk_rows_for_testing(std::int64_t rows) { backward_chunk_limit_for_testing().store(rows); }
+void recompute_backward_weights_for_testing(bool on) { recompute_weights_for_testing().store(on); }
 }  // namespace attention_kernels
 
 void sparse_attention_fwd(const SparseAttentionProblem& p) {
@@ -358,6 +402,7 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   }
   Shape shape = shape_of(p);
   if (p.indices) shape.owner_rows = owner_rows_for(p.topk, max_k_len);
+  shape.kept_keys = kept_keys_for(kernel, p, shape);  // the same in both shapes: one packed row layout
   Shape cmp_shape = shape;
   cmp_shape.rope_dim = 0;
   cmp_shape.owner_rows = p.cmp_indices ? owner_rows_for(p.cmp_topk, max_c_len) : kMinOwnerBlock;
@@ -388,7 +433,7 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   // the same additions in the same order as in one pass: results do not depend
   // on the chunking either.
   const std::size_t packed_row = kernel.packed_row_bytes(shape);
-  const std::int64_t chunk_rows = std::min(p.plan.q_rows, backward_chunk_rows(packed_row));
+  const std::int64_t chunk_rows = std::min(p.plan.q_rows, backward_chunk_rows(packed_row, shape.kept_keys > 0));
   const bool chunked = chunk_rows < p.plan.q_rows;
   core::ScratchVector<float> coef(p.plan.q_rows * H, 0.0f), delta(p.plan.q_rows * H, 0.0f);
   core::ScratchVector<float> sink_terms(p.sinks ? p.plan.q_rows * H : 0, 0.0f);
@@ -414,8 +459,9 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
       cmp_base.push_back(static_cast<std::int64_t>(blocks.size()) - n_raw_blocks);
     }
   InvertedIndex raw_inv, cmp_inv;
-  if (p.indices) raw_inv = invert(p, false, raw_base, shape.owner_rows);
-  if (p.cmp_indices) cmp_inv = invert(p, true, cmp_base, cmp_shape.owner_rows);
+  const bool slots = shape.kept_keys > 0;
+  if (p.indices) raw_inv = invert(p, false, raw_base, shape.owner_rows, slots);
+  if (p.cmp_indices) cmp_inv = invert(p, true, cmp_base, cmp_shape.owner_rows, slots);
   // Per bucket, the first entry no chunk has taken yet (buckets are in row order).
   std::vector<std::int64_t> raw_next(raw_inv.start.begin(), raw_inv.start.end() - (p.indices ? 1 : 0));
   std::vector<std::int64_t> cmp_next(cmp_inv.start.begin(), cmp_inv.start.end() - (p.cmp_indices ? 1 : 0));
@@ -427,6 +473,7 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   struct OwnerScratch {
     std::vector<TokenEntries> tokens;
     std::vector<std::uint16_t> offsets;
+    std::vector<std::int32_t> slots;  // of implicit sets' entries, where weights are kept
     const char* main[kMaxOwnerBlock];
     const char* rope[kMaxOwnerBlock];
   };
@@ -474,8 +521,9 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
       const auto& seq = p.plan.seqs[blk.seq];
       OwnerScratch& os = owner[thread];
       os.tokens.clear();
-      auto make_token = [&](std::int64_t row, const std::uint16_t* offsets, std::int64_t count) {
-        os.tokens.push_back(TokenEntries{query_row(p, row), row_backward(row), offsets, count});
+      auto make_token = [&](std::int64_t row, const std::uint16_t* offsets, std::int64_t count,
+                            const std::int32_t* entry_slots) {
+        os.tokens.push_back(TokenEntries{query_row(p, row), row_backward(row), offsets, count, entry_slots});
       };
       const std::int64_t key_row0 = (blk.compressed ? seq.c_begin : seq.k_begin) + blk.first;
       const InvertedIndex* inv = blk.compressed ? (p.cmp_indices ? &cmp_inv : nullptr) : (p.indices ? &raw_inv : nullptr);
@@ -485,7 +533,7 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
         while (next < inv->start[bucket + 1] && inv->rows[next] < hi) {
           std::int64_t end = next;
           while (end < inv->start[bucket + 1] && inv->rows[end] == inv->rows[next]) ++end;
-          make_token(inv->rows[next], inv->offsets.data() + next, end - next);
+          make_token(inv->rows[next], inv->offsets.data() + next, end - next, slots ? inv->slots.data() + next : nullptr);
           next = end;
         }
       } else {
@@ -501,6 +549,7 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
         }
         i_begin = std::max(i_begin, lo - seq.q_begin);
         os.offsets.resize(std::max<std::int64_t>(0, i_end - i_begin) * blk.count);
+        if (slots) os.slots.resize(os.offsets.size());
         std::int64_t used = 0;
         for (std::int64_t i = i_begin; i < i_end; ++i) {
           const auto w = p.row_window(seq, i);
@@ -515,8 +564,14 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
           if (hi_key <= lo_key) continue;
           std::uint16_t* off = os.offsets.data() + used;
           for (std::int64_t j = lo_key; j < hi_key; ++j) off[j - lo_key] = static_cast<std::uint16_t>(j - blk.first);
+          std::int32_t* slot = nullptr;
+          if (slots) {  // the band ascending from raw_lo; compressed entries after the raw part
+            slot = os.slots.data() + used;
+            const std::int64_t first_slot = blk.compressed ? raw_attended(p, seq, i) : -w.raw_lo;
+            for (std::int64_t j = lo_key; j < hi_key; ++j) slot[j - lo_key] = static_cast<std::int32_t>(first_slot + j);
+          }
           used += hi_key - lo_key;
-          make_token(seq.q_begin + i, off, hi_key - lo_key);
+          make_token(seq.q_begin + i, off, hi_key - lo_key, slot);
         }
       }
       if (os.tokens.empty()) return;  // nothing of this chunk: the block's sums stand
