@@ -324,9 +324,10 @@ std::atomic<std::int64_t>& backward_chunk_limit_for_testing() {
 constexpr std::size_t kPackedBudget = std::size_t{512} << 20;
 // Kept weights (Shape::kept_keys) are 1 MiB a row at H = 64 with 2048 keys in
 // fp32: a chunk keeps 256 MiB of them. Their dkv pass reloads no keys, only
-// the blocks' fp32 sums (~19 MiB at 4096 keys of 576 dims), so a chunk may be
-// as short as kMinKeptChunk rows; rows that long-dense (64 Ki keys) get no
-// kept weights and recompute instead.
+// the blocks' fp32 sums (9 MiB at 4096 keys of 576 dims), so a chunk may be
+// as short as kMinKeptChunk rows. Rows longer than that allows (dense causal
+// attention over 64 Ki keys at H = 64: 32 MiB a row) keep nothing: their dkv
+// pass recomputes.
 constexpr std::size_t kKeptBudget = std::size_t{256} << 20;
 constexpr std::int64_t kMinKeptChunk = 64;
 
