@@ -21,6 +21,14 @@ i = dsa.dsa_indexer(torch.randn(5, 2, 8), torch.randn(5, 8), torch.ones(5, 2), t
 assert i.shape == (5, 2)
 print('pip install . ok:', dsa.__file__)
 ")
+# The console scripts pip wrote resolve to functions that exist and parse their options.
+for script in dsa-train dsa-bench dsa-generate; do
+  (cd "$tmp" && PYTHONPATH="$tmp/site" "$tmp/site/bin/$script" --help >/dev/null) || {
+    echo "console script $script --help failed" >&2
+    exit 1
+  }
+done
+echo "console scripts ok"
 
 cmake --install build --prefix "$tmp/prefix" >/dev/null
 cmake -S examples/consumer -B "$tmp/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$tmp/prefix" >/dev/null

@@ -247,8 +247,10 @@ def main(argv=None) -> int:
         return 2
 
 
-if __name__ == "__main__":
-    code = main()
+def command(argv=None) -> None:
+    """The dsa-train command, as `python -m dsa.train` and as the installed console
+    script: main(), then the process's exit."""
+    code = main(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A torchrun rank here has destroyed its process group and written its results;
         # the interpreter's teardown can still abort in a torch / gloo thread's destructor
@@ -259,3 +261,7 @@ if __name__ == "__main__":
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+if __name__ == "__main__":
+    command()
