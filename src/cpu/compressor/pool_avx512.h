@@ -3,8 +3,10 @@
 // Included by pool_avx512.cpp and, with AVX512-BF16 conversions, pool_avx512bf16.cpp.
 // GCC 12 flags the self-initialised `_mm512_undefined_*` inside its own
 // masked-intrinsic wrappers (a false positive of the header, not of this code).
+#if defined(__GNUC__) && !defined(__clang__)  // clang has no -Wmaybe-uninitialized and warns of the pragma
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <array>
