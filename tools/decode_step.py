@@ -7,6 +7,10 @@ patched over DsaCache on the decode ops (bf16, fp8).
 
     python tools/decode_step.py [--contexts 1k,4k,16k] [--steps 8] [--json build/decode_step.json]
 
+``--dtype fp32``: the same model in fp32, with DsaCache fp32 / bf16 / fp8 (on CPUs whose
+torch has no native bf16 matmul, AVX2-only ones, a bf16 prefill runs on an emulation
+and the unpatched and transformers'-cache columns take hours; fp32 is what runs there).
+
 ``--arch v4``: the same for a small DeepSeek-V4 (3 layers: sliding, CSA, HCA; hidden 512,
 16 heads of 512 with 64 RoPE dims, window 128, CSA every 4 tokens with 64 index heads x
 128 and index_topk 512, HCA every 128, bf16): unpatched (transformers' V4 cache, its
@@ -30,16 +34,16 @@ from dsa._child import parse_token_counts  # noqa: E402
 from dsa.integrations.transformers import DsaCache, fallback_counts, patch  # noqa: E402
 
 
-def model(max_tokens: int):
+def model(max_tokens: int, dtype: torch.dtype = torch.bfloat16):
     from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
     cfg = DeepseekV32Config(vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
                             num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=16,
                             num_key_value_heads=16, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128,
                             qk_rope_head_dim=64, v_head_dim=128, index_n_heads=64, index_head_dim=128,
                             index_topk=2048, n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
-                            max_position_embeddings=max(4096, max_tokens), torch_dtype=torch.bfloat16)
+                            max_position_embeddings=max(4096, max_tokens), torch_dtype=dtype)
     torch.manual_seed(0)
-    return DeepseekV32ForCausalLM(cfg).to(torch.bfloat16).eval()
+    return DeepseekV32ForCausalLM(cfg).to(dtype).eval()
 
 
 def step_ms(m, ids, cache, steps: int) -> float:
@@ -59,12 +63,13 @@ def synthetic_cache(m, ctx: int, cache_dtype: str) -> DsaCache:
     latent, rope, index = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
     pos = torch.arange(ctx).view(1, -1)
     for layer in cache.layers:
-        layer.start(1, latent, rope, index, torch.bfloat16)
+        dtype = m.dtype
+        layer.start(1, latent, rope, index, dtype)
         for stream, dim in ((layer.latent, latent), (layer.index_keys, index)):
             stream.reserve([ctx])
             for lo in range(0, ctx, 8192):  # in chunks: the fp32 rows of 64K tokens are 150 MB
                 hi = min(ctx, lo + 8192)
-                stream.write(pos[:, lo:hi], torch.randn(1, hi - lo, dim, generator=g).bfloat16())
+                stream.write(pos[:, lo:hi], torch.randn(1, hi - lo, dim, generator=g).to(dtype))
         layer.lengths, layer.columns = [ctx], ctx
     return cache
 
@@ -173,42 +178,50 @@ def main(argv=None) -> int:
                          "and only the DsaCache configurations run")
     ap.add_argument("--json", default="build/decode_step.json")
     ap.add_argument("--arch", choices=("v32", "v4"), default="v32")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the V3.2 model's dtype")
     args = ap.parse_args(argv)
+    if args.arch == "v4" and args.dtype != "bf16":
+        ap.error("--dtype: only with --arch v32 (the V4 model runs in bf16)")
     if args.arch == "v4":
         return main_v4(args)
     contexts = parse_token_counts(args.contexts)
-    base = model(max(contexts) + args.steps + 1)
+    base = model(max(contexts) + args.steps + 1, torch.float32 if args.dtype == "fp32" else torch.bfloat16)
     patched = patch(copy.deepcopy(base), strict=True)
+    # DsaCache dtypes: the model's own first (the gather path's too), then the smaller ones.
+    cache_dtypes = ("fp32", "bf16", "fp8") if args.dtype == "fp32" else ("bf16", "fp8")
     rows = []
-    print("| context | unpatched | patched, transformers' cache | DsaCache bf16, gather + prefill ops (before) "
-          "| DsaCache bf16 | DsaCache fp8 |")
-    print("|---|---|---|---|---|---|")
+    print(f"| context | unpatched | patched, transformers' cache | DsaCache {cache_dtypes[0]}, gather + prefill ops "
+          "(before) | " + " | ".join(f"DsaCache {dt}" for dt in cache_dtypes) + " |")
+    print("|---" * (4 + len(cache_dtypes)) + "|")
     for ctx in contexts:
         ids = torch.randint(1, 1024, (1, ctx), generator=torch.Generator().manual_seed(ctx))
         from transformers import DynamicCache
         r = {"context": ctx, "synthetic": ctx >= args.synthetic_from}
         if r["synthetic"]:
             r["unpatched"] = r["patched_transformers_cache"] = None
-            for dt in ("bf16", "fp8"):
+            for dt in cache_dtypes:
                 r[f"dsa_cache_{dt}"] = synthetic_step_ms(patched, ctx, dt, args.steps)
             with _GatherPath():
-                r["dsa_cache_bf16_gather"] = synthetic_step_ms(patched, ctx, "bf16", args.steps)
+                r["dsa_cache_gather"] = synthetic_step_ms(patched, ctx, cache_dtypes[0], args.steps)
         else:
             with _GatherPath():
-                r["dsa_cache_bf16_gather"] = step_ms(patched, ids, DsaCache(patched.config, cache_dtype="bf16"),
-                                                     args.steps)
+                r["dsa_cache_gather"] = step_ms(patched, ids, DsaCache(patched.config, cache_dtype=cache_dtypes[0]),
+                                                args.steps)
             r["unpatched"] = (step_ms(base, ids, DynamicCache(config=base.config), args.steps)
                               if ctx <= args.unpatched_max else None)
             r["patched_transformers_cache"] = step_ms(patched, ids, DynamicCache(config=base.config), args.steps)
-            for dt in ("bf16", "fp8"):
+            for dt in cache_dtypes:
                 r[f"dsa_cache_{dt}"] = step_ms(patched, ids, DsaCache(patched.config, cache_dtype=dt), args.steps)
         rows.append(r)
         cell = lambda v: "-" if v is None else f"{v:.1f} ms"  # noqa: E731
-        print(f"| {ctx}{' (rows written, no prefill)' if r['synthetic'] else ''} | {cell(r['unpatched'])} | {cell(r['patched_transformers_cache'])} | "
-              f"{cell(r['dsa_cache_bf16_gather'])} | {cell(r['dsa_cache_bf16'])} | {cell(r['dsa_cache_fp8'])} |", flush=True)
+        cells = [r["unpatched"], r["patched_transformers_cache"], r["dsa_cache_gather"]]
+        cells += [r[f"dsa_cache_{dt}"] for dt in cache_dtypes]
+        print(f"| {ctx}{' (rows written, no prefill)' if r['synthetic'] else ''} | "
+              + " | ".join(cell(v) for v in cells) + " |", flush=True)
     assert fallback_counts(patched) == {}, fallback_counts(patched)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "rows": rows}, indent=1))
+    Path(args.json).write_text(json.dumps({"dtype": args.dtype, "threads": torch.get_num_threads(), "rows": rows},
+                                          indent=1))
     return 0
 
 
