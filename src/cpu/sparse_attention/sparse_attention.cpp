@@ -404,7 +404,6 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   }
   Shape shape = shape_of(p);
   if (p.indices) shape.owner_rows = owner_rows_for(p.topk, max_k_len);
-  shape.kept_keys = kept_keys_for(kernel, p, shape);  // the same in both shapes: one packed row layout
   Shape cmp_shape = shape;
   cmp_shape.rope_dim = 0;
   cmp_shape.owner_rows = p.cmp_indices ? owner_rows_for(p.cmp_topk, max_c_len) : kMinOwnerBlock;
@@ -427,6 +426,10 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   if (p.cmp_kv) zero(p.d_cmp_kv, p.cmp_rows * p.dim * es);
   if (p.d_sinks) std::fill(p.d_sinks, p.d_sinks + H, 0.0f);
   if (p.plan.q_rows == 0) return;  // the gradients are all zero; as in the forward, size nothing from H, D
+  // Only now: with no query rows the lengths may be anything a view can claim, and
+  // max_attended would overflow (fuzz_sparse_attention, 2026-12-07; input kept).
+  // The same in every shape: one packed row layout for both kinds of block.
+  shape.kept_keys = cmp_shape.kept_keys = scratch_shape.kept_keys = kept_keys_for(kernel, p, shape);
 
   // Phases 1 and 2 run over chunks of query rows (backward_chunk_rows): the
   // kernel's per-row packed state lives for one chunk only, and each owned block
