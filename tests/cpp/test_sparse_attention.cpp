@@ -421,6 +421,21 @@ TEST_P(SparseAttentionModes, CompressedIndicesMoreThanEntries) {
   check_config(c, 12);
 }
 
+TEST_P(SparseAttentionModes, CompressedIndicesWithoutCompressedRows) {
+  // Sequences shorter than the ratio: cmp_indices given, no compressed row to
+  // attend (cmp_kv holds no data). The backward that keeps weights still walks
+  // the compressed lists (found by the Python property test, where a review
+  // edit read each row's raw count from a table sized only when cmp_kv had data).
+  Config c = tnd({3, 2}, {3, 2});
+  c.dtype = dtype();
+  c.heads = 2;
+  c.dim = 16;
+  c.window = 2;
+  c.ratio = 4;
+  c.cmp_topk = 3;
+  check_config(c, 23);
+}
+
 TEST_P(SparseAttentionModes, SparseIndicesOverLongSequences) {
   // Top-16 of up to 4200 keys: the backward widens its owned dkv blocks to
   // 2048 rows (owner_rows_for), pools a token's few entries across sub-blocks

@@ -114,13 +114,24 @@ std::int64_t max_attended(const SparseAttentionProblem& p) {
   return raw + cmp;
 }
 
+using RowWindow = SparseAttentionProblem::RowWindow;
+
+// Whether entry j of a row's explicit raw / compressed index list is attended:
+// in the sequence and causal (the rule of gather_row, invert and raw_attended).
+bool raw_index_valid(std::int64_t j, const core::SequenceSlice& seq, const RowWindow& w) {
+  return j >= 0 && j < seq.k_len && j <= w.pos;
+}
+bool cmp_index_valid(std::int64_t j, const core::SequenceSlice& seq, const RowWindow& w) {
+  return j >= 0 && j < seq.c_len && j < w.cmp_visible;
+}
+
 // Entries of query i's raw part, which leads its attended list (gather_row).
 std::int64_t raw_attended(const SparseAttentionProblem& p, const core::SequenceSlice& seq, std::int64_t i) {
   const auto w = p.row_window(seq, i);
   if (!p.indices) return std::max<std::int64_t>(0, w.pos - w.raw_lo + 1);
   const std::int32_t* idx = p.indices + (seq.q_begin + i) * p.idx_row_stride;
   std::int64_t n = 0;
-  for (std::int64_t k = 0; k < p.topk; ++k) n += idx[k] >= 0 && idx[k] < seq.k_len && idx[k] <= w.pos;
+  for (std::int64_t k = 0; k < p.topk; ++k) n += raw_index_valid(idx[k], seq, w);
   return n;
 }
 
@@ -148,7 +159,7 @@ KeyRows gather_row(const SparseAttentionProblem& p, const core::SequenceSlice& s
     const std::int32_t* idx = p.indices + row * p.idx_row_stride;
     for (std::int64_t k = 0; k < p.topk; ++k) {
       const std::int64_t j = idx[k];
-      if (j >= 0 && j < seq.k_len && j <= w.pos) add_raw(j);
+      if (raw_index_valid(j, seq, w)) add_raw(j);
     }
   } else {
     for (std::int64_t j = w.raw_lo; j <= w.pos; ++j) add_raw(j);
@@ -162,7 +173,7 @@ KeyRows gather_row(const SparseAttentionProblem& p, const core::SequenceSlice& s
       const std::int32_t* idx = p.cmp_indices + row * p.cidx_row_stride;
       for (std::int64_t k = 0; k < p.cmp_topk; ++k) {
         const std::int64_t c = idx[k];
-        if (c >= 0 && c < seq.c_len && c < w.cmp_visible) add_cmp(c);
+        if (cmp_index_valid(c, seq, w)) add_cmp(c);
       }
     } else {
       for (std::int64_t c = 0; c < w.cmp_visible; ++c) add_cmp(c);
@@ -231,8 +242,10 @@ struct InvertedIndex {
   std::vector<std::int32_t> slots;
 };
 
+// raw_counts (with slots on compressed lists): each row's raw entries, where its
+// compressed slots begin.
 InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std::vector<std::int64_t>& block_base,
-                     std::int64_t owner_rows, bool with_slots) {
+                     std::int64_t owner_rows, bool with_slots, const std::int32_t* raw_counts) {
   InvertedIndex inv;
   const std::int64_t blocks = block_base.back();
   inv.start.assign(blocks + 1, 0);
@@ -248,11 +261,10 @@ InvertedIndex invert(const SparseAttentionProblem& p, bool compressed, const std
         const std::int32_t* idx = indices + row * stride;
         // The row's attended list holds its valid entries in slot order, the
         // compressed ones after the raw part.
-        std::int64_t slot = compressed && with_slots ? raw_attended(p, seq, i) : 0;
+        std::int64_t slot = compressed && with_slots ? raw_counts[row] : 0;
         for (std::int64_t k = 0; k < k_count; ++k) {
           const std::int64_t j = idx[k];
-          const bool valid = compressed ? (j >= 0 && j < seq.c_len && j < w.cmp_visible)
-                                        : (j >= 0 && j < seq.k_len && j <= w.pos);
+          const bool valid = compressed ? cmp_index_valid(j, seq, w) : raw_index_valid(j, seq, w);
           if (valid) visit(block_base[b] + j / owner_rows, row, j % owner_rows, slot++);
         }
       }
@@ -465,8 +477,17 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
     }
   InvertedIndex raw_inv, cmp_inv;
   const bool slots = shape.kept_keys > 0;
-  if (p.indices) raw_inv = invert(p, false, raw_base, shape.owner_rows, slots);
-  if (p.cmp_indices) cmp_inv = invert(p, true, cmp_base, cmp_shape.owner_rows, slots);
+  // Where weights are kept, each row's raw entry count: its compressed slots start
+  // there. Counted once per row (an explicit list's count is a pass over it). An
+  // explicit compressed list may come without compressed rows (every entry then
+  // invalid): invert still reads the counts, so they follow cmp_indices too.
+  std::vector<std::int32_t> raw_counts(slots && (p.cmp_kv || p.cmp_indices) ? p.plan.q_rows : 0);
+  if (!raw_counts.empty())
+    for (const auto& seq : p.plan.seqs)
+      for (std::int64_t i = 0; i < seq.q_len; ++i)
+        raw_counts[seq.q_begin + i] = static_cast<std::int32_t>(raw_attended(p, seq, i));  // <= kept_keys
+  if (p.indices) raw_inv = invert(p, false, raw_base, shape.owner_rows, slots, nullptr);
+  if (p.cmp_indices) cmp_inv = invert(p, true, cmp_base, cmp_shape.owner_rows, slots, raw_counts.data());
   // Per bucket, the first entry no chunk has taken yet (buckets are in row order).
   std::vector<std::int64_t> raw_next(raw_inv.start.begin(), raw_inv.start.end() - (p.indices ? 1 : 0));
   std::vector<std::int64_t> cmp_next(cmp_inv.start.begin(), cmp_inv.start.end() - (p.cmp_indices ? 1 : 0));
@@ -572,7 +593,7 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
           std::int32_t* slot = nullptr;
           if (slots) {  // the band ascending from raw_lo; compressed entries after the raw part
             slot = os.slots.data() + used;
-            const std::int64_t first_slot = blk.compressed ? raw_attended(p, seq, i) : -w.raw_lo;
+            const std::int64_t first_slot = blk.compressed ? raw_counts[seq.q_begin + i] : -w.raw_lo;
             for (std::int64_t j = lo_key; j < hi_key; ++j) slot[j - lo_key] = static_cast<std::int32_t>(first_slot + j);
           }
           used += hi_key - lo_key;
