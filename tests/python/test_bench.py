@@ -21,7 +21,7 @@ import dsa
 from dsa import _C
 from dsa.bench import machine, runner
 from dsa.bench.case import FUSED, NAIVE, NAIVE_FP32, REFERENCE, Case, work_of
-from dsa.bench.machine import ceiling_label, choose_ceiling
+from dsa.bench.machine import LANES_OF_ISA, ceiling_label, choose_ceiling
 from dsa.bench.report import COLUMNS, format_table
 from dsa.naive import naive_indexer
 
@@ -42,9 +42,9 @@ def test_cases_are_discovered_and_well_formed():
                                         if c.name.startswith("compressor/") or "indexer/bf16/T512/" in c.name]
     assert {c.name.split("/")[0] for c in either} == {"compressor", "indexer"}
     for c in cases:
-        if c.ceiling == "binding":  # resolved per machine: both bounds must be known
-            assert c.flops > 0 and c.bytes_moved > 0, c.name
-            c = replace(c, ceiling="compute")
+        if c.ceiling == "binding":  # resolved per machine: two bounds at least must be known
+            assert c.bytes_moved > 0 and (c.flops > 0 or set(c.vector_ops) == set(LANES_OF_ISA)), c.name
+            c = replace(c, ceiling="compute" if c.flops else "copy_bw")
         assert work_of(c) in (("compute", "bf16"), ("compute", "fp32"), ("copy_bw", "bf16"), ("copy_bw", "fp32"))
         assert c.flops > 0 or c.bytes_moved > 0, c.name
         assert FUSED in c.impls, c.name
@@ -426,3 +426,38 @@ def test_a_binding_case_takes_the_slower_bound():
     ceilings = {"fp32_fma_avx2": 1e11, "copy_bw": 1e10}
     assert binding_case(c, ceilings, "avx2", False, set()).ceiling == "copy_bw"  # 100 ms of bytes > 10 ms
     assert binding_case(replace(c, bytes_moved=1e6), ceilings, "avx2", False, set()).ceiling == "compute"
+
+
+def test_an_instruction_bound_case_is_timed_at_the_vector_issue_rate():
+    from dsa.bench.machine import binding_case, vector_op_rate
+    # 1e11 FLOP/s of 8-lane FMAs: 6.25e9 vector operations per second.
+    ceilings = {"fp32_fma_avx2": 1e11, "fp32_fma_avx512": 2e11, "copy_bw": 1e10}
+    assert vector_op_rate(ceilings, "avx2") == 1e11 / 16
+    assert vector_op_rate(ceilings, "avx512_bf16") == 2e11 / 32
+    assert vector_op_rate(ceilings, "portable") == 0.0  # no fixed width: no such bound
+    c = Case(name="x", setup=dict, impls={FUSED: len}, bytes_moved=1e8, ceiling="binding",
+             vector_ops={"avx2": 1.25e8, "avx512": 1e7})
+    slow = binding_case(c, ceilings, "avx2", False, set())  # 20 ms of operations > 10 ms of bytes
+    assert slow.ceiling == "vector_ops" and work_of(slow) == ("vector_ops", "bf16")
+    assert "binding bound here: vector operations" in slow.note and "20 ms" in slow.note and "10 ms" in slow.note
+    assert binding_case(c, ceilings, "avx512", False, set()).ceiling == "copy_bw"  # 1.6 ms < 10 ms
+    assert binding_case(c, ceilings, "portable", False, set()).ceiling == "copy_bw"  # no count there
+    assert choose_ceiling("vector_ops", "bf16", "avx2", False, set()) == "vector_ops"
+    assert ceiling_label("vector_ops", "avx2") == "avx2 vector ops at the FMA rate"
+    # The runner reads the count of the ISA it is told and reports G operations / s.
+    ceilings["vector_ops"] = vector_op_rate(ceilings, "avx2")
+    (r,) = runner.run_case(replace(slow, impls={FUSED: lambda x: time.sleep(0.04)}, repeats=2), ceilings, threads=1,
+                           memory=False, log=lambda *a: None, ceiling="vector_ops", isolate=False, budget_s=5,
+                           isa="avx2")
+    assert r.gops is not None and r.tflops is None and r.gbps is None
+    assert 20 < r.pct_of_ceiling <= 50  # 20 ms of operations in a run of >= 40 ms
+    assert "Gop/s" in format_table([r])
+
+
+def test_compressor_cases_count_vector_operations_per_isa():
+    from dsa.bench.cases.compressor import vector_ops
+    # HCA, one entry of 128 slots, 16 channels: (128 * 16 slots x ((6 + E) + (8 + E + 2 R)) + 16 x (3 + R)) / lanes.
+    assert vector_ops(128, 16, 128, False, "avx512_bf16") == (128 * 16 * 30 + 16 * 4) / 16
+    assert vector_ops(128, 16, 128, False, "avx2") == (128 * 16 * (16 + 26) + 16 * 7) / 8
+    # CSA: entry 0 has no previous block's half.
+    assert vector_ops(8, 16, 4, True, "avx512") == ((8 + 4) * 16 * (13 + 23) + 2 * 16 * 7) / 16

@@ -129,7 +129,8 @@ def main(argv=None) -> int:
         results.extend(run_case(case, ceilings, threads, memory=not args.no_memory, log=_log,
                                 ceiling=key, ceiling_label=label,
                                 fp32_peer=wants_fp32_peer(case, probe["native"]), budget_s=budget,
-                                emulated_bf16_flops=None if probe["native"] else probe["bf16_flops"] * threads))
+                                emulated_bf16_flops=None if probe["native"] else probe["bf16_flops"] * threads,
+                                isa=isa))
     machine["ceilings_used"] = used
     # Ceilings again at the end: with other load on the machine the two differ, and
     # the better of them is the fairer "what this machine reaches" (the lower % of ceiling).

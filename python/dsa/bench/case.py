@@ -37,8 +37,8 @@ class Case:
     impls: dict[str, Callable[[dict[str, Any]], Any]]  # FUSED / NAIVE / REFERENCE -> run(inputs)
     flops: float = 0.0                          # valid work (FlashMLA convention); 0 if memory-bound
     bytes_moved: float = 0.0                    # bytes the op must move (memory-bound cases)
-    ceiling: str = "compute"                    # "compute" (FLOP/s) | "copy_bw" (bytes/s) | "binding" (the slower
-                                                # of the two for flops and bytes_moved on this machine)
+    ceiling: str = "compute"                    # "compute" (FLOP/s) | "copy_bw" (bytes/s) | "binding" (the slowest
+                                                # of flops, bytes_moved and vector_ops on this machine)
     dtype: str = "bf16"                         # "bf16" | "fp32": the inputs' dtype
     quick: bool = False                         # part of `make bench-quick` (dsa-bench --quick)
     note: str = ""                              # e.g. why an implementation is skipped
@@ -50,13 +50,20 @@ class Case:
     # milliseconds and kilobytes next to minutes and GiBs.
     single_run: bool = False
     budget_s: Optional[float] = None            # wall-time budget of one implementation (default: the harness's)
+    # Vector operations the op needs, by dsa's ISA level ("avx2", "avx512", ...): for
+    # ops bound by their instructions rather than by FLOPs of a product or by bytes
+    # (the compressor: widenings, maxima, exps, sums per element). With ceiling
+    # "binding" they are one of the bounds, timed at the ISA's vector issue rate
+    # (machine.vector_op_rate); a level missing here has no such bound.
+    vector_ops: dict[str, float] = field(default_factory=dict)
 
 
 def work_of(case: Case) -> tuple[str, str]:
-    """("compute" | "copy_bw", "bf16" | "fp32") of a case."""
+    """("compute" | "copy_bw" | "vector_ops", "bf16" | "fp32") of a case."""
     if case.ceiling in LEGACY_CEILINGS:
         return LEGACY_CEILINGS[case.ceiling]
-    if case.ceiling not in ("compute", "copy_bw") or case.dtype not in ("bf16", "fp32"):
-        raise ValueError(f"{case.name}: ceiling must be 'compute' or 'copy_bw' and dtype 'bf16' or 'fp32', "
+    if case.ceiling not in ("compute", "copy_bw", "vector_ops") or case.dtype not in ("bf16", "fp32"):
+        raise ValueError(f"{case.name}: ceiling must be 'compute', 'copy_bw' or 'vector_ops' and dtype 'bf16' or "
+                         f"'fp32', "
                          f"got {case.ceiling!r} / {case.dtype!r}")
     return case.ceiling, case.dtype

@@ -11,6 +11,9 @@ Ceilings, all on the thread count the cases use:
   (``probe_bf16``: on AVX2-only CPUs torch emulates bf16 at ~1 GFLOP/s, and a
   4096^2 GEMM would take minutes).
 * the copy bandwidth of a large ``Tensor.copy_`` (bytes read + written).
+* the vector issue rate of the ISA dsa runs (``vector_op_rate``): its fp32 FMA
+  peak in vector instructions per second, the bound of ops that are neither a
+  product nor a stream (the compressor), for their count of vector operations.
 
 ``choose_ceiling`` picks the one a case is compared with. Every measurement is
 bounded in wall time.
@@ -124,11 +127,28 @@ CEILING_LABEL = {
     "fp32_fma_avx2": "fp32 FMA avx2",
     "fp32_fma_avx512": "fp32 FMA avx512",
     "bf16_dot_avx512": "bf16 dot avx512",
+    "vector_ops": "vector ops at the FMA rate",
 }
 
 # The fp32 peak of each ISA dsa can run (AMX adds no fp32 instructions).
 _FP32_PEAK_OF_ISA = {"amx": "fp32_fma_avx512", "avx512_bf16": "fp32_fma_avx512", "avx512": "fp32_fma_avx512",
                      "avx2": "fp32_fma_avx2", "portable": "fp32_portable"}
+
+# fp32 lanes of one vector at each ISA dsa can run (no vector-op bound for portable:
+# its scalar loops have no fixed width).
+LANES_OF_ISA = {"amx": 16, "avx512_bf16": 16, "avx512": 16, "avx2": 8}
+
+
+def vector_op_rate(ceilings: dict, isa: str) -> float:
+    """Vector instructions per second at ``isa``: its measured fp32 FMA peak over the
+    FLOPs of one vector FMA (2 x lanes). Independent FMAs are the widest stream of
+    vector work these cores issue (on AMD's cores an add, max, shift or shuffle takes
+    an FMA pipe's slot or one beside it), so an op that needs N vector operations
+    needs at least N / rate seconds. 0.0 where the ISA has no such rate here."""
+    lanes = LANES_OF_ISA.get(isa)
+    peak = ceilings.get(_FP32_PEAK_OF_ISA.get(isa, ""))
+    return peak / (2.0 * lanes) if lanes and peak else 0.0
+
 
 # torch's bf16 matmul counts as native when it reaches at least this fraction of
 # its fp32 rate on the probe's squares (native paths run 2-8x faster than fp32;
@@ -144,6 +164,7 @@ def choose_ceiling(work: str, dtype: str, isa: str, bf16_native: bool, peaks) ->
     bf16 GEMM is native here; peaks: the peak kernels this CPU has.
 
     * memory-bound cases: the copy bandwidth;
+    * instruction-bound cases ("vector_ops"): the ISA's vector issue rate;
     * bf16 on AMX with a native torch bf16 GEMM: that GEMM (oneDNN's AMX path is
       what a bf16 matmul reaches there);
     * bf16 at dsa's ``avx512_bf16`` level (Zen 4/5, or AMX without native torch
@@ -151,10 +172,10 @@ def choose_ceiling(work: str, dtype: str, isa: str, bf16_native: bool, peaks) ->
     * otherwise (fp32, or bf16 converted to fp32, as dsa's ``avx512`` and ``avx2``
       levels do): the fp32 FMA peak of the ISA.
     """
-    if work == "copy_bw":
-        return "copy_bw"
+    if work in ("copy_bw", "vector_ops"):
+        return work
     if work != "compute":
-        raise ValueError(f"work: expected 'compute' or 'copy_bw', got {work!r}")
+        raise ValueError(f"work: expected 'compute', 'copy_bw' or 'vector_ops', got {work!r}")
     if isa not in _FP32_PEAK_OF_ISA:
         raise ValueError(f"isa: expected one of {', '.join(_FP32_PEAK_OF_ISA)}, got {isa!r}")
     if dtype == "bf16":
@@ -166,23 +187,37 @@ def choose_ceiling(work: str, dtype: str, isa: str, bf16_native: bool, peaks) ->
 
 
 def binding_case(case, ceilings: dict, isa: str, bf16_native: bool, peaks):
-    """A case whose ceiling is "binding" (decode: FLOPs or bytes, whichever bounds it
-    on this machine): the same case compared with the slower of its two bounds, the
-    compute ceiling for its FLOPs or the copy bandwidth for its bytes, named in its note."""
+    """A case whose ceiling is "binding" (decode: FLOPs or bytes; the compressor: bytes
+    or vector operations; whichever bounds it on this machine): the same case compared
+    with the slowest of its bounds - the compute ceiling for its FLOPs, the copy
+    bandwidth for its bytes, the ISA's vector issue rate for its vector operations -
+    each named with its time in the case's note."""
     from dataclasses import replace
     compute = ceilings.get(choose_ceiling("compute", case.dtype, isa, bf16_native, peaks))
     copy = ceilings.get("copy_bw")
-    t_compute = case.flops / compute if compute else 0.0
-    t_bytes = case.bytes_moved / copy if copy else 0.0
-    work = "compute" if t_compute >= t_bytes else "copy_bw"
-    why = (f"binding bound here: {'FLOPs' if work == 'compute' else 'bytes read'} "
-           f"({t_compute * 1e3:.3g} ms at the compute ceiling, {t_bytes * 1e3:.3g} ms at copy bandwidth)")
+    rate = vector_op_rate(ceilings, isa)
+    ops = case.vector_ops.get(isa, 0.0)
+    bounds = {}  # work -> (seconds, what the note calls it)
+    if case.flops:
+        bounds["compute"] = (case.flops / compute if compute else 0.0, "FLOPs", "at the compute ceiling")
+    if case.bytes_moved:
+        bounds["copy_bw"] = (case.bytes_moved / copy if copy else 0.0, "bytes moved", "at copy bandwidth")
+    if ops and rate:
+        bounds["vector_ops"] = (ops / rate, "vector operations",
+                                f"for {ops / 1e6:.4g} M {isa} vector operations at {rate / 1e9:.3g} G/s")
+    if not bounds:
+        raise ValueError(f"{case.name}: a binding case needs flops, bytes_moved or vector_ops for {isa}")
+    work = max(bounds, key=lambda k: bounds[k][0])
+    why = (f"binding bound here: {bounds[work][1]} ("
+           + ", ".join(f"{t * 1e3:.3g} ms {where}" for t, _, where in bounds.values()) + ")")
     return replace(case, ceiling=work, note=f"{case.note}; {why}" if case.note else why)
 
 
 def ceiling_label(key: str, isa: str) -> str:
     if key == "bf16_gemm" and isa == "amx":
         return "bf16 GEMM (AMX)"
+    if key == "vector_ops":
+        return f"{isa} vector ops at the FMA rate"
     return CEILING_LABEL.get(key, key)
 
 
@@ -293,4 +328,7 @@ def measure_ceilings(threads: int, bf16: dict, gemm_size: int = 4096, copy_mib: 
                                                 rate_hint=bf16["bf16_flops"] * threads)
         info["bf16_gemm_n"] = n16
     ceilings["copy_bw"] = copy_bandwidth(copy_mib)
+    from .. import _C
+    if rate := vector_op_rate(ceilings, _C.cpu_isa()):
+        ceilings["vector_ops"] = rate
     return ceilings, info

@@ -63,7 +63,9 @@ def header_lines(machine: dict, ceilings: dict) -> list[str]:
         f"{machine.get('load_avg_1min_at_end', '?')} at end",
         f"ceilings (same run, best of start/end): dsa peak {peaks}; "
         f"torch fp32 GEMM {_flops(ceilings.get('fp32_gemm'))}, {bf16}; "
-        f"copy {ceilings['copy_bw'] / 1e9:.1f} GB/s (read + write)",
+        f"copy {ceilings['copy_bw'] / 1e9:.1f} GB/s (read + write)"
+        + (f"; {isa} vector ops {ceilings['vector_ops'] / 1e9:.3g} G/s (its FMA peak / 2 x lanes)"
+           if "vector_ops" in ceilings else ""),
         "compared with: " + (", ".join(used) if used else "-")
         + " (compute cases: the bf16 GEMM on AMX where torch's bf16 is native, else the peak of dsa's ISA)",
         f"timing: median of runs after warm-up, each run after {machine.get('cache_flush_mib', '?')} MiB "
@@ -83,6 +85,8 @@ def rows(results: list[Result]) -> list[tuple[str, ...]]:
             thr = f"{r.tflops:.3g} TFLOP/s"
         elif finite(r.gbps):
             thr = f"{r.gbps:.3g} GB/s"
+        elif finite(r.gops):
+            thr = f"{r.gops:.3g} Gop/s"
         else:
             thr = "-"
         pct = f"{r.pct_of_ceiling:.1f}%" if finite(r.pct_of_ceiling) else "-"

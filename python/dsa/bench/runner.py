@@ -345,6 +345,7 @@ class Result:
     median_ms: Optional[float] = None
     tflops: Optional[float] = None           # compute-bound cases
     gbps: Optional[float] = None             # memory-bound cases
+    gops: Optional[float] = None             # instruction-bound cases: G vector operations / s
     ceiling: str = ""                        # key in the ceilings (machine.CEILING_LABEL)
     ceiling_label: str = ""                  # what the table calls it, e.g. "bf16 dot avx512"
     pct_of_ceiling: Optional[float] = None
@@ -377,7 +378,7 @@ def emulation_skip(case: Case, impl: str, emulated_bf16_flops: Optional[float], 
 def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, *,
              ceiling: Optional[str] = None, ceiling_label: str = "", fp32_peer: bool = False,
              budget_s: float = BUDGET_S, isolate: bool = True,
-             emulated_bf16_flops: Optional[float] = None) -> list[Result]:
+             emulated_bf16_flops: Optional[float] = None, isa: str = "") -> list[Result]:
     """Times every implementation of ``case`` and compares it with ``ceiling``
     (a key of ``ceilings``; default: the case's own work kind, for callers that
     pass ceilings keyed "compute" / "copy_bw").
@@ -386,7 +387,8 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, 
     ``budget_s`` (what the CLI does); False times in this process, which
     bounds the number of runs but cannot stop a single slow call (tests).
     emulated_bf16_flops: torch's emulated bf16 matmul rate where it is not native
-    (see emulation_skip).
+    (see emulation_skip). isa: dsa's ISA level, which picks the case's vector_ops count
+    for an instruction-bound case.
     """
     work, _ = work_of(case)
     key = ceiling or work
@@ -439,6 +441,10 @@ def run_case(case: Case, ceilings: dict, threads: int, memory: bool, log=print, 
             if case.bytes_moved:
                 r.gbps = case.bytes_moved / med / 1e9
                 r.pct_of_ceiling = 100.0 * case.bytes_moved / med / ceil if ceil else None
+        elif work == "vector_ops":
+            if ops := case.vector_ops.get(isa):
+                r.gops = ops / med / 1e9
+                r.pct_of_ceiling = 100.0 * ops / med / ceil if ceil else None
         elif case.flops:
             r.tflops = case.flops / med / 1e12
             r.pct_of_ceiling = 100.0 * case.flops / med / ceil if ceil else None
