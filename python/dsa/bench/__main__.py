@@ -7,7 +7,8 @@ machine ceilings in the same process (dsa's FMA / bf16-dot peaks per ISA,
 torch's fp32 GEMM, its bf16 GEMM where native, copy bandwidth), then for each
 case and implementation: the median time after warm-up (in a child process
 killed at a wall-time budget), TFLOP/s over valid work (GB/s for memory-bound
-cases), the fraction of the case's ceiling and which ceiling that is, the peak
+cases, G vector operations/s for instruction-bound ones: the compressor where its
+operations bind), the fraction of the case's ceiling and which ceiling that is, the peak
 extra memory (fresh subprocess per case and implementation) and the ratios
 against the faster naive peer. See docs/benchmarks.md.
 """
