@@ -141,10 +141,11 @@ LANES_OF_ISA = {"amx": 16, "avx512_bf16": 16, "avx512": 16, "avx2": 8}
 
 def vector_op_rate(ceilings: dict, isa: str) -> float:
     """Vector instructions per second at ``isa``: its measured fp32 FMA peak over the
-    FLOPs of one vector FMA (2 x lanes). Independent FMAs are the widest stream of
-    vector work these cores issue (on AMD's cores an add, max, shift or shuffle takes
-    an FMA pipe's slot or one beside it), so an op that needs N vector operations
-    needs at least N / rate seconds. 0.0 where the ISA has no such rate here."""
+    FLOPs of one vector FMA (2 x lanes), the measured peak rate of vector work. An op
+    that needs N vector operations is timed at N / rate. Not a hard floor: a core
+    whose add or shuffle pipes run beside its FMA pipes can retire a mix faster (on
+    Zen 5 each operation of the compressor's mix cost about one FMA slot, and on
+    Zen 1 the kernels reach 50-60 % of it). 0.0 where the ISA has no such rate."""
     lanes = LANES_OF_ISA.get(isa)
     peak = ceilings.get(_FP32_PEAK_OF_ISA.get(isa, ""))
     return peak / (2.0 * lanes) if lanes and peak else 0.0
@@ -197,7 +198,7 @@ def binding_case(case, ceilings: dict, isa: str, bf16_native: bool, peaks):
     copy = ceilings.get("copy_bw")
     rate = vector_op_rate(ceilings, isa)
     ops = case.vector_ops.get(isa, 0.0)
-    bounds = {}  # work -> (seconds, what the note calls it)
+    bounds = {}  # work -> (seconds, what binds, how its time was formed)
     if case.flops:
         bounds["compute"] = (case.flops / compute if compute else 0.0, "FLOPs", "at the compute ceiling")
     if case.bytes_moved:
