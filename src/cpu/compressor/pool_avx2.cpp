@@ -35,6 +35,11 @@ using namespace fma;
 static_assert(kLanes == 8, "compiled with the AVX2 flags, without AVX-512");
 
 constexpr int kBackwardStrip = 32;  // 16 ymm registers hold one group's 12 accumulators
+// Forward blocks of 8 rows: half the scratch loads and stores per slot of 4-row
+// blocks (Zen 1 class, HCA S = 16384 forward, 2 threads, min of 12 calls, 9 A/B
+// rounds by process: 6.78-6.92 -> 6.53-6.68 ms; 16 rows 7.17-7.18 ms, too many
+// row streams at once).
+constexpr int kRowBlock = 8;
 
 // GCC's own inlining choice: forcing the group bodies inline (as on
 // AVX-512) made the CSA forward and backward ~2% slower here (one thread, on

@@ -34,6 +34,9 @@ constexpr bool kNativeBf16 = false;
 
 // Backward strips of 64 channels (even or better than 32 there).
 constexpr int kBackwardStrip = 64;
+// Forward blocks of 4 rows (where rows_forward was measured, on Zen 5; the AVX2
+// layer's 8 is unmeasured here).
+constexpr int kRowBlock = 4;
 
 // The group bodies forced inline: GCC otherwise leaves them out of line,
 // reloading the exp constants and spilling around every group (one thread,

@@ -29,6 +29,7 @@
 //   safe_max(v), safe_reciprocal(v)
 //   kBackwardStrip: channels per strip of the many-slot backward without
 //                        statistics (32 or 64), chosen for the ISA's register count
+//   kRowBlock:           rows per block of the many-slot forward (rows_forward)
 //   DSA_POOL_GROUP_ATTRIBUTES: attributes of the per-group lambdas of
 //                        run_in_registers / run_from_stats (inlining, which
 //                        GCC decides differently per ISA; see the layers)
@@ -324,9 +325,9 @@ void strip_backward(const PoolArgs& a, std::int64_t c0, const Mask<L> (&mask)[2]
 // second exp / sum / weighted sum, re-reading gate (from L2) rather than
 // keeping 4-byte logits. Per channel the running max, sum and weighted sum live
 // in three scratch rows (L1), loaded and stored once per block of kRowBlock
-// rows. Every slot enters each channel's max, sum and fma chain in slot order,
-// as in the 32-channel strips this replaced: the same bits.
-constexpr int kRowBlock = 4;
+// rows (a layer constant). Every slot enters each channel's max, sum and fma
+// chain in slot order, as in the 32-channel strips this replaced: the same bits,
+// whatever the block.
 
 // Calls rows(R, i, at, mask) for each 32-channel group of each block of rows
 // [i, i + R), R a std::integral_constant: blocks of kRowBlock, then the last
