@@ -79,41 +79,24 @@ void fma_score_tile(const void* packed, const QueryBlockSource& shape, const flo
   float* kt = static_cast<float*>(key_scratch);  // [dim][kKeyTile], missing keys zero
   const std::size_t es = dtype_size(keys.dtype);
   if (keys.count < kKeyTile) std::memset(kt, 0, sizeof(float) * dim * kKeyTile);
-  std::int64_t s0 = 0;
-#if !defined(__AVX512F__)
-  // Whole groups of 8 keys, 8 dims at a time: 8 rows in, one 8 x 8 transpose in
-  // registers, 8 vectors out, instead of 64 scalar stores. The same values in the
-  // same places (the scalar loop below does the rest): decode scores one token per
+  // Whole groups of kLanes keys through fma::transpose's register transposes, a
+  // chunk of dims at a time, instead of a scalar store per value: the same values
+  // in the same places (the loop below does the rest). Decode scores one token per
   // key tile, so this copy was a sixth of the decode indexer's time at next_n = 1
-  // (Zen 1 class, perf, one thread).
-  if (dim % 8 == 0 && dim <= 1024) {
-    alignas(32) float rows8[8][1024];
-    for (; s0 + 8 <= keys.count; s0 += 8) {
-      for (int r = 0; r < 8; ++r)
-        to_float(static_cast<const char*>(keys.keys) + (s0 + r) * keys.row_stride * es, keys.dtype, dim, dim,
-                 rows8[r]);
-      for (std::int64_t d = 0; d < dim; d += 8) {
-        __m256 v[8];  // key r's dims d..d+7
-        for (int r = 0; r < 8; ++r) v[r] = _mm256_load_ps(rows8[r] + d);
-        // Per 128-bit half (dims d..d+3 low, d+4..d+7 high), a 4 x 4 transpose of
-        // keys 0-3 and of keys 4-7.
-        const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
-        const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
-        const __m256 t4 = _mm256_unpacklo_ps(v[4], v[5]), t5 = _mm256_unpackhi_ps(v[4], v[5]);
-        const __m256 t6 = _mm256_unpacklo_ps(v[6], v[7]), t7 = _mm256_unpackhi_ps(v[6], v[7]);
-        const __m256 a[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
-                             _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
-        const __m256 b[4] = {_mm256_shuffle_ps(t4, t6, 0x44), _mm256_shuffle_ps(t4, t6, 0xEE),
-                             _mm256_shuffle_ps(t5, t7, 0x44), _mm256_shuffle_ps(t5, t7, 0xEE)};
-        // a[j]: keys 0-3 of dim d + j (low half) and d + 4 + j (high); b[j] likewise keys 4-7.
-        for (int j = 0; j < 4; ++j) {
-          _mm256_storeu_ps(kt + (d + j) * kKeyTile + s0, _mm256_permute2f128_ps(a[j], b[j], 0x20));
-          _mm256_storeu_ps(kt + (d + 4 + j) * kKeyTile + s0, _mm256_permute2f128_ps(a[j], b[j], 0x31));
-        }
+  // (Zen 1 class, perf, one thread, when it was scalar).
+  std::int64_t s0 = 0;
+  if (dim % kLanes == 0) {
+    constexpr std::int64_t kChunk = 256;
+    alignas(64) float rows[kLanes * kChunk];  // kLanes keys' dims [d0, d0 + n)
+    for (; s0 + kLanes <= keys.count; s0 += kLanes)
+      for (std::int64_t d0 = 0; d0 < dim; d0 += kChunk) {
+        const std::int64_t n = std::min(kChunk, dim - d0);
+        for (int r = 0; r < kLanes; ++r)
+          to_float(static_cast<const char*>(keys.keys) + ((s0 + r) * keys.row_stride + d0) * es, keys.dtype, n, n,
+                   rows + r * kChunk);
+        transpose(rows, kChunk, kLanes, n, kt + d0 * kKeyTile + s0, kKeyTile);
       }
-    }
   }
-#endif
   float row[1024];  // one key row in fp32, a chunk of dims at a time
   for (std::int64_t s = s0; s < keys.count; ++s) {
     const char* src = static_cast<const char*>(keys.keys) + s * keys.row_stride * es;
