@@ -62,8 +62,8 @@ def synthetic_cache(m, ctx: int, cache_dtype: str) -> DsaCache:
     g = torch.Generator().manual_seed(ctx)
     latent, rope, index = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim, cfg.index_head_dim
     pos = torch.arange(ctx).view(1, -1)
+    dtype = m.dtype  # the model's: fp32 or bf16 rows, stored as the cache's dtype says
     for layer in cache.layers:
-        dtype = m.dtype
         layer.start(1, latent, rope, index, dtype)
         for stream, dim in ((layer.latent, latent), (layer.index_keys, index)):
             stream.reserve([ctx])

@@ -407,20 +407,6 @@ void sparse_attention_fwd(const SparseAttentionProblem& p) {
 
 void sparse_attention_bwd(const SparseAttentionProblem& p) {
   const AttentionKernel& kernel = pick_kernel(p.dtype, Pass::backward);
-  // Owned dkv blocks: widened for sparse explicit index sets (owner_rows_for);
-  // implicit sets (band, every visible compressed entry) are dense runs.
-  std::int64_t max_k_len = 0, max_c_len = 0;
-  for (const auto& seq : p.plan.seqs) {
-    max_k_len = std::max(max_k_len, seq.k_len);
-    max_c_len = std::max(max_c_len, seq.c_len);
-  }
-  Shape shape = shape_of(p);
-  if (p.indices) shape.owner_rows = owner_rows_for(p.topk, max_k_len);
-  Shape cmp_shape = shape;
-  cmp_shape.rope_dim = 0;
-  cmp_shape.owner_rows = p.cmp_indices ? owner_rows_for(p.cmp_topk, max_c_len) : kMinOwnerBlock;
-  Shape scratch_shape = shape;  // scratch for either kind of block
-  scratch_shape.owner_rows = std::max(shape.owner_rows, cmp_shape.owner_rows);
   const std::int64_t H = p.heads, dv = p.d_v;
   const std::size_t es = dtype_size(p.dtype);
   // Everything no task writes (padding rows, keys nobody attends) is zero.
@@ -438,10 +424,26 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   if (p.cmp_kv) zero(p.d_cmp_kv, p.cmp_rows * p.dim * es);
   if (p.d_sinks) std::fill(p.d_sinks, p.d_sinks + H, 0.0f);
   if (p.plan.q_rows == 0) return;  // the gradients are all zero; as in the forward, size nothing from H, D
-  // Only now: with no query rows the lengths may be anything a view can claim, and
-  // max_attended would overflow (fuzz_sparse_attention, 2026-12-07; input kept).
-  // The same in every shape: one packed row layout for both kinds of block.
-  shape.kept_keys = cmp_shape.kept_keys = scratch_shape.kept_keys = kept_keys_for(kernel, p, shape);
+
+  // The shapes only now: with no query rows the lengths may be anything a view can
+  // claim, and max_attended would overflow (fuzz_sparse_attention, 2026-12-07; input
+  // kept). Owned dkv blocks: widened for sparse explicit index sets
+  // (owner_rows_for); implicit sets (band, every visible compressed entry) are dense
+  // runs. kept_keys is set before the copies: one packed row layout for both kinds
+  // of block.
+  std::int64_t max_k_len = 0, max_c_len = 0;
+  for (const auto& seq : p.plan.seqs) {
+    max_k_len = std::max(max_k_len, seq.k_len);
+    max_c_len = std::max(max_c_len, seq.c_len);
+  }
+  Shape shape = shape_of(p);
+  if (p.indices) shape.owner_rows = owner_rows_for(p.topk, max_k_len);
+  shape.kept_keys = kept_keys_for(kernel, p, shape);
+  Shape cmp_shape = shape;
+  cmp_shape.rope_dim = 0;
+  cmp_shape.owner_rows = p.cmp_indices ? owner_rows_for(p.cmp_topk, max_c_len) : kMinOwnerBlock;
+  Shape scratch_shape = shape;  // scratch for either kind of block
+  scratch_shape.owner_rows = std::max(shape.owner_rows, cmp_shape.owner_rows);
 
   // Phases 1 and 2 run over chunks of query rows (backward_chunk_rows): the
   // kernel's per-row packed state lives for one chunk only, and each owned block
