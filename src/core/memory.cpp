@@ -248,12 +248,29 @@ void run_kernel(const char* op, void (*body)(const void*), const void* context) 
   }
 }
 
+namespace {
+
+// The one way into and out of the workspace cache, for allocate_cached and
+// ScratchBuffer alike: a buffer of kCacheMin or more is taken from the cache
+// (up to twice the request) or allocated; `capacity` is what it holds, which
+// give_back needs.
+std::uint8_t* take_or_allocate(std::size_t bytes, std::size_t* capacity) {
+  *capacity = bytes;
+  std::uint8_t* p = bytes >= kCacheMin ? WorkspaceCache::instance().take(bytes, 2 * bytes, capacity) : nullptr;
+  return p ? p : allocate_scratch(bytes);  // *capacity is still `bytes`: take() sets it only on success
+}
+
+void give_back(std::uint8_t* p, std::size_t capacity) {
+  if (capacity >= kCacheMin) WorkspaceCache::instance().give(p, capacity);
+  else free_scratch(p, capacity);
+}
+
+}  // namespace
+
 std::uint8_t* allocate_cached(std::size_t bytes) {
   if (bytes < kCacheMin) return allocate_scratch(bytes);
-  const std::size_t want = bytes + kHeader;
-  std::size_t capacity = want;
-  std::uint8_t* p = WorkspaceCache::instance().take(want, 2 * want, &capacity);
-  if (!p) p = allocate_scratch(want);
+  std::size_t capacity;
+  std::uint8_t* p = take_or_allocate(bytes + kHeader, &capacity);
   std::memcpy(p, &capacity, sizeof capacity);
   return p + kHeader;
 }
@@ -264,21 +281,17 @@ void free_cached(std::uint8_t* p, std::size_t bytes) {
   std::uint8_t* base = p - kHeader;
   std::size_t capacity;
   std::memcpy(&capacity, base, sizeof capacity);
-  WorkspaceCache::instance().give(base, capacity);
+  give_back(base, capacity);
 }
 
 alignas(64) std::uint8_t ScratchBuffer::empty_[64];
 
-ScratchBuffer::ScratchBuffer(std::size_t bytes) : capacity_(bytes) {
-  if (bytes == 0) return;
-  if (bytes >= kCacheMin) data_ = WorkspaceCache::instance().take(bytes, 2 * bytes, &capacity_);
-  if (!data_) data_ = allocate_scratch(bytes);  // capacity_ is still `bytes`: take() sets it only on success
+ScratchBuffer::ScratchBuffer(std::size_t bytes) {
+  if (bytes) data_ = take_or_allocate(bytes, &capacity_);
 }
 
 ScratchBuffer::~ScratchBuffer() {
-  if (!data_) return;
-  if (capacity_ >= kCacheMin) WorkspaceCache::instance().give(data_, capacity_);
-  else free_scratch(data_, capacity_);
+  if (data_) give_back(data_, capacity_);
 }
 
 }  // namespace dsa::core
