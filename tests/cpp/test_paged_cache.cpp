@@ -302,7 +302,8 @@ TEST(PagedCache, ValidationReadsOnlyTheColumnsACallTouches) {
 // kernel's bits (core::float_to_bf16 of table * scale) for all 256 codes, at
 // scales from tiny to huge and NaN: the powers of two dsa_cache_write stores
 // (the AVX-512 kernel's integer route, 2^-117 .. 2^119, and either side of it)
-// and any other scale (its fp32 route).
+// and any other scale (its fp32 route). Their fp32 outputs (run_f32) are the
+// same values.
 TEST(PagedCache, Fp8ToBf16KernelsAgreeOnEveryCode) {
   std::vector<std::uint8_t> codes(256 + 7);
   for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<std::uint8_t>(i * 37 + 11);
@@ -318,6 +319,19 @@ TEST(PagedCache, Fp8ToBf16KernelsAgreeOnEveryCode) {
       std::fill(got.begin(), got.end(), 0);
       kernel.run(codes.data(), static_cast<std::int64_t>(codes.size()), scale, got.data());
       EXPECT_EQ(got, want) << kernel.name << " scale " << scale;
+      // The fp32 route (the fp32 FMA kernels' keys): the same values widened,
+      // bit for bit, except that a NaN need only be a NaN.
+      std::vector<float> wide(codes.size(), 1.0f);
+      kernel.run_f32(codes.data(), static_cast<std::int64_t>(codes.size()), scale, wide.data());
+      for (std::size_t i = 0; i < codes.size(); ++i) {
+        const float expect = dsa::core::bf16_to_float(want[i]);
+        if (std::isnan(expect)) {
+          EXPECT_TRUE(std::isnan(wide[i])) << kernel.name << " scale " << scale << " code " << int(codes[i]);
+        } else {
+          EXPECT_EQ(std::memcmp(&wide[i], &expect, 4), 0)
+              << kernel.name << " scale " << scale << " code " << int(codes[i]) << ": " << wide[i] << " vs " << expect;
+        }
+      }
     }
   }
 }

@@ -7,7 +7,8 @@
 // records are rows of `dim` values at a stride of `dim`); an FP8 tile, one
 // crossing blocks, or a storage dtype other than the kernel's is dequantised
 // into a per-thread tile first. bf16 queries over bf16 or FP8 keys are scored
-// in bf16 (FP8 values are bf16 values exactly), anything else in fp32.
+// in bf16 (FP8 values are bf16 values exactly), anything else in fp32. Kernels
+// that compute in fp32 FMAs whatever the dtype get dequantised tiles in fp32.
 //
 // A request's keys are cut into segments (at most kMaxSegments, from the
 // problem alone), one task each, so that one request keeps every core busy;
@@ -64,11 +65,15 @@ void indexer_decode(const IndexerDecodeProblem& p) {
   const std::int64_t rows = p.rows(), topk = p.topk, D = p.dim, H = p.heads;
   if (rows == 0) return;
   const DType kdt = dequant::kernel_dtype(p.dtype, {&p.keys});
-  const std::size_t kes = dtype_size(kdt), qes = dtype_size(p.dtype);
+  const std::size_t qes = dtype_size(p.dtype);
   const bool in_place = dequant::records_are_rows(p.keys, kdt);
   const ScoreKernel& kernel = pick_score_kernel(kdt);
   const AppendCandidatesFn append = select_kernel(kFilters, kdt).append;
   const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
+  // The dtype of a dequantised tile: fp32 for the kernels that widen keys
+  // anyway (an FP8 code goes to fp32 in fewer operations than to bf16 and back).
+  const DType tdt = kdt == DType::bf16 && kernel.accepts_f32_keys ? DType::f32 : kdt;
+  const std::size_t tes = dtype_size(tdt);
 
   // Segments per request, from the problem alone.
   const std::int64_t max_segments = std::clamp<std::int64_t>((kTargetTasks + p.batch - 1) / p.batch, 1, kMaxSegments);
@@ -101,7 +106,7 @@ void indexer_decode(const IndexerDecodeProblem& p) {
   for (auto& s : scratch) {
     s.packed_query.resize(kernel.packed_query_bytes(H, D) + 64);
     s.key_scratch.resize(kernel.key_scratch_bytes(D) + 64);
-    s.tile_keys.resize(static_cast<std::size_t>(kKeyTile * D) * kes + 64);
+    s.tile_keys.resize(static_cast<std::size_t>(kKeyTile * D) * tes + 64);
     s.query.resize(p.dtype == kdt ? 0 : kQueryBlock * H * D);
     s.weights.resize(kQueryBlock * H);
     s.tile.resize(kQueryBlock * kKeyTile);
@@ -142,15 +147,18 @@ void indexer_decode(const IndexerDecodeProblem& p) {
     char* tile_keys = static_cast<char*>(aligned64(s.tile_keys));
     for (std::int64_t k0 = task.lo; k0 < end;) {
       std::int64_t n = std::min(kKeyTile, end - k0);
-      KeyTileSource keys{tile_keys, kdt, D, 0};
+      KeyTileSource keys{tile_keys, tdt, D, 0};
       if (in_place && k0 % bs + n > bs) n = bs - k0 % bs;  // in place: the tile stays in its block
       if (in_place) {
         keys.keys = p.keys.token(p.table.slot(b, k0));
+        keys.dtype = kdt;
       } else {
         for (std::int64_t k = 0; k < n; ++k) {
           const std::uint8_t* rec = p.keys.token(p.table.slot(b, k0 + k));
-          if (kdt == DType::f32) core::decode_token(p.keys, rec, reinterpret_cast<float*>(tile_keys + k * D * kes));
-          else dequant::record_to_bf16(p.keys, rec, reinterpret_cast<std::uint16_t*>(tile_keys + k * D * kes), to_bf16);
+          char* dst = tile_keys + k * D * tes;
+          if (kdt == DType::f32) core::decode_token(p.keys, rec, reinterpret_cast<float*>(dst));
+          else if (tdt == DType::f32) dequant::record_to_f32(p.keys, rec, reinterpret_cast<float*>(dst), to_bf16);
+          else dequant::record_to_bf16(p.keys, rec, reinterpret_cast<std::uint16_t*>(dst), to_bf16);
         }
       }
       keys.count = n;

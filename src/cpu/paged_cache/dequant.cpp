@@ -1,6 +1,8 @@
 // Records to bf16: the portable kernel, the selection and the record walk (dequant.h).
 #include "cpu/paged_cache/dequant.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "core/numeric.h"
@@ -12,6 +14,13 @@ namespace {
 void run_portable(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) {
   const std::array<float, 256>& table = core::e4m3_table();
   for (std::int64_t i = 0; i < n; ++i) out[i] = core::float_to_bf16(table[codes[i]] * scale);
+}
+
+// Exact: table * 2^k is a normal bf16 (normal_power_of_two), so an fp32 value too.
+void run_portable_f32(const std::uint8_t* codes, std::int64_t n, int k, float* out) {
+  const std::array<float, 256>& table = core::e4m3_table();
+  const float scale = std::ldexp(1.0f, k);
+  for (std::int64_t i = 0; i < n; ++i) out[i] = table[codes[i]] * scale;
 }
 
 constexpr Candidate<Fp8ToBf16, int> kKernels[] = {
@@ -37,8 +46,19 @@ void Fp8ToBf16::run(const std::uint8_t* codes, std::int64_t n, float scale, std:
   else any_scale(codes, n, scale, out);
 }
 
+void Fp8ToBf16::run_f32(const std::uint8_t* codes, std::int64_t n, float scale, float* out) const {
+  int k = 0;
+  if (power_of_two_f32 && normal_power_of_two(scale, &k)) return power_of_two_f32(codes, n, k, out);
+  std::uint16_t bf16[kCacheScaleGroup];
+  for (std::int64_t i0 = 0; i0 < n; i0 += kCacheScaleGroup) {
+    const std::int64_t m = std::min<std::int64_t>(kCacheScaleGroup, n - i0);
+    run(codes + i0, m, scale, bf16);
+    for (std::int64_t i = 0; i < m; ++i) out[i0 + i] = core::bf16_to_float(bf16[i]);
+  }
+}
+
 const Fp8ToBf16& portable_kernel() {
-  static const Fp8ToBf16 kernel{"portable", run_portable};
+  static const Fp8ToBf16 kernel{"portable", run_portable, nullptr, run_portable_f32};
   return kernel;
 }
 
@@ -67,6 +87,34 @@ void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, s
     kernel.run(record + i0, i1 - i0, scale, out + i0);
   }
   std::memcpy(out + nq, record + nq + 4 * groups, 2 * l.rope_dim);  // the RoPE part: bf16 already
+}
+
+void record_to_f32(const core::PagedCache& cache, const std::uint8_t* record, float* out, const Fp8ToBf16& kernel) {
+  const CacheLayout& l = cache.layout;
+  const auto widen = [&](const std::uint8_t* bf16, std::int64_t n, float* dst) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      std::uint16_t v;
+      std::memcpy(&v, bf16 + 2 * i, 2);
+      dst[i] = core::bf16_to_float(v);
+    }
+  };
+  if (l.dtype == CacheDType::bf16) return widen(record, l.dim, out);
+  if (l.dtype == CacheDType::f32) {
+    for (std::int64_t i = 0; i < l.dim; ++i) {
+      float v;
+      std::memcpy(&v, record + 4 * i, 4);
+      out[i] = core::bf16_to_float(core::float_to_bf16(v));  // record_to_bf16's rounding
+    }
+    return;
+  }
+  const std::int64_t nq = cache.quantised_dim(), groups = cache.scale_groups();
+  for (std::int64_t g = 0; g < groups; ++g) {
+    float scale;
+    std::memcpy(&scale, record + nq + 4 * g, 4);
+    const std::int64_t i0 = g * kCacheScaleGroup, i1 = std::min(nq, i0 + kCacheScaleGroup);
+    kernel.run_f32(record + i0, i1 - i0, scale, out + i0);
+  }
+  widen(record + nq + 4 * groups, l.rope_dim, out + nq);
 }
 
 }  // namespace dsa::cpu::dequant

@@ -3,6 +3,11 @@
 // keys with the bf16 kernels after this one pass per key (every head then
 // reads the bf16 row). One kernel per ISA (cpu/select.h); all write the bits
 // core::float_to_bf16 gives for e4m3_table()[code] * scale, NaN included.
+//
+// The same values in fp32 (record_to_f32) for the kernels that compute in fp32
+// FMAs whatever the dtype (AVX2, AVX-512 without AVX512-BF16, portable): they
+// would widen the bf16 row anyway, and a code goes to fp32 in fewer operations
+// than to bf16 and back.
 #pragma once
 
 #include <cstdint>
@@ -23,10 +28,15 @@ struct Fp8ToBf16 {
   void (*any_scale)(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out);
   // scale = 2^k with normal_power_of_two true (integer work only); null: any_scale serves.
   void (*power_of_two)(const std::uint8_t* codes, std::int64_t n, int k, std::uint16_t* out) = nullptr;
+  // The same values as fp32, scale = 2^k with normal_power_of_two true (the
+  // products are then exact in fp32); null: run's bf16 widened.
+  void (*power_of_two_f32)(const std::uint8_t* codes, std::int64_t n, int k, float* out) = nullptr;
 
   // out[i] = bf16(e4m3(codes[i]) * scale) for i < n.
   // Out of line (dequant.cpp): an inline body would be compiled into the ISA files too.
   void run(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) const;
+  // out[i] = the same value as fp32 (exact: every bf16 value is an fp32 value).
+  void run_f32(const std::uint8_t* codes, std::int64_t n, float scale, float* out) const;
 };
 
 const Fp8ToBf16& portable_kernel();
@@ -57,5 +67,7 @@ inline bool records_are_rows(const core::PagedCache& cache, DType kernel) {
 // A bf16 or FP8 record of `cache` as `dim` bf16 values (fp32 records: rounded).
 void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, std::uint16_t* out,
                     const Fp8ToBf16& kernel);
+// record_to_bf16's values as `dim` fp32 values.
+void record_to_f32(const core::PagedCache& cache, const std::uint8_t* record, float* out, const Fp8ToBf16& kernel);
 
 }  // namespace dsa::cpu::dequant

@@ -9,6 +9,13 @@
 // looks up the value's low byte, the high byte (index + 8) its high byte.
 // Any other scale: 8 codes per step through fp32, rounded as
 // core::float_to_bf16 rounds (nearest even; NaN kept, quiet).
+//
+// Power-of-two scales to fp32 (the fp32 FMA kernels' keys): through fp16. An
+// e4m3 code's exponent and mantissa bits shifted up by 7 are an fp16 number
+// 2^-8 times the code's value, subnormals included (fp16 has 1 more exponent
+// bit and the same-sized subnormal step relative to it), so F16C's exact
+// vcvtph2ps and one multiply by 2^(k+8) give code * 2^k: 16 codes in about 10
+// operations, against about 18 to bf16 and a widening after it.
 #include <immintrin.h>
 
 #include <cmath>
@@ -74,10 +81,28 @@ void run_any_scale(const std::uint8_t* codes, std::int64_t n, float scale, std::
   portable_kernel().any_scale(codes + i, n - i, scale, out + i);  // the last < 8 codes
 }
 
+void run_power_of_two_f32(const std::uint8_t* codes, std::int64_t n, int k, float* out) {
+  // normal_power_of_two bounds k to [-117, 119]: 2^(k+8) is a normal fp32 number.
+  const __m256 scale = _mm256_set1_ps(std::ldexp(1.0f, k + 8));
+  const __m256i keep = _mm256_set1_epi16(static_cast<short>(0xbf80)), mag = _mm256_set1_epi16(0x3f80);
+  std::int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    // Sign-extended, then << 7: the sign lands in bit 15 (and a copy in bit 14,
+    // cleared), exponent and mantissa in bits 7-13.
+    const __m256i c = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    __m256i h = _mm256_and_si256(_mm256_slli_epi16(c, 7), keep);
+    // 0x7f / 0xff (magnitude bits all set) is NaN in e4m3; all ones is an fp16 NaN.
+    h = _mm256_or_si256(h, _mm256_cmpeq_epi16(_mm256_and_si256(h, mag), mag));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), scale));
+    _mm256_storeu_ps(out + i + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), scale));
+  }
+  portable_kernel().power_of_two_f32(codes + i, n - i, k, out + i);  // the last < 16 codes
+}
+
 }  // namespace
 
 const Fp8ToBf16& avx2_kernel() {
-  static const Fp8ToBf16 kernel{"avx2", run_any_scale, run_power_of_two};
+  static const Fp8ToBf16 kernel{"avx2", run_any_scale, run_power_of_two, run_power_of_two_f32};
   return kernel;
 }
 

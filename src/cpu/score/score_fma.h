@@ -91,6 +91,11 @@ void fma_score_tile(const void* packed, const QueryBlockSource& shape, const flo
     for (; s0 + kLanes <= keys.count; s0 += kLanes)
       for (std::int64_t d0 = 0; d0 < dim; d0 += kChunk) {
         const std::int64_t n = std::min(kChunk, dim - d0);
+        if (keys.dtype == DType::f32) {  // fp32 rows (the decode indexer's decoded FP8 keys): no copy first
+          transpose(static_cast<const float*>(keys.keys) + s0 * keys.row_stride + d0, keys.row_stride, kLanes, n,
+                    kt + d0 * kKeyTile + s0, kKeyTile);
+          continue;
+        }
         for (int r = 0; r < kLanes; ++r)
           to_float(static_cast<const char*>(keys.keys) + ((s0 + r) * keys.row_stride + d0) * es, keys.dtype, n, n,
                    rows + r * kChunk);
@@ -122,7 +127,7 @@ void fma_score_tile(const void* packed, const QueryBlockSource& shape, const flo
 
 const ScoreKernel& DSA_FMA_KERNEL_NAME() {
   static const ScoreKernel kernel{DSA_FMA_KERNEL_LABEL, fma_packed_query_bytes, fma_key_scratch_bytes,
-                                  fma_pack_queries, fma_score_tile};
+                                  fma_pack_queries, fma_score_tile, true};
   return kernel;
 }
 

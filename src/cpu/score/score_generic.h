@@ -84,7 +84,7 @@ void generic_score_tile(const void* packed, const QueryBlockSource& shape, const
 const ScoreKernel& DSA_GENERIC_KERNEL_NAME() {
   static const ScoreKernel kernel{DSA_GENERIC_KERNEL_LABEL, generic_packed_query_bytes,
                                   generic_key_scratch_bytes, generic_pack_queries,
-                                  generic_score_tile};
+                                  generic_score_tile, true};
   return kernel;
 }
 

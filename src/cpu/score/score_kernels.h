@@ -40,6 +40,11 @@ struct ScoreKernel {
   // weights: [tokens][heads] fp32; out: [tokens][kKeyTile] fp32.
   void (*score_tile)(const void* packed, const QueryBlockSource& shape, const float* weights,
                      const KeyTileSource& keys, void* key_scratch, float* out);
+  // Whether a key tile may be fp32 whatever the queries' dtype: the kernels
+  // that score in fp32 (FMA, portable) widen every key anyway, so the decode
+  // indexer hands them FP8 keys decoded straight to fp32. The bf16 pair
+  // kernels (avx512_bf16, AMX) take keys of the queries' dtype only.
+  bool accepts_f32_keys = false;
 };
 
 // Each returns the kernel of its ISA; the caller checks the CPU first.

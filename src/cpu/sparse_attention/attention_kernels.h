@@ -76,6 +76,10 @@ struct RowDecoder {
   void (*decode)(const void* context, std::int64_t k, std::uint16_t* out);
   const void* context;
   std::int64_t record_bytes;
+  // The same `dim` values in fp32, for the kernels that widen every key to
+  // fp32 (the fp32 FMA kernels): a code goes to fp32 in fewer operations than
+  // to bf16 and back.
+  void (*decode_f32)(const void* context, std::int64_t k, float* out) = nullptr;
 };
 
 // Row pointers of gathered keys (storage dtype); rope[i] is null when rope_dim == 0.

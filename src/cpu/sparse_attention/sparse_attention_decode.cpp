@@ -158,6 +158,12 @@ void decode_record(const void* context, std::int64_t k, std::uint16_t* out) {
   dequant::record_to_bf16(cache, piece.records[k], out, *piece.to_bf16);
 }
 
+void decode_record_f32(const void* context, std::int64_t k, float* out) {
+  const auto& piece = *static_cast<const PieceRecords*>(context);
+  const core::PagedCache& cache = piece.compressed[k] ? piece.p->cmp : piece.p->kv;
+  dequant::record_to_f32(cache, piece.records[k], out, *piece.to_bf16);
+}
+
 struct ThreadScratch {
   // dsa's allocator (a failure names its size; cached between calls) and left
   // uninitialised: zeroing the kernel's ~0.4 MiB every call was ~4 % of a call at H = 16.
@@ -296,7 +302,7 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
       }
       const PieceRecords piece_records{&p, s.records.data() + k0, in_kernel ? s.compressed.data() + k0 : nullptr,
                                        &to_bf16};
-      const RowDecoder decoder{decode_record, &piece_records, record_bytes};
+      const RowDecoder decoder{decode_record, &piece_records, record_bytes, decode_record_f32};
       const KeyRows keys{s.main.data(), nullptr, n, in_kernel ? &decoder : nullptr};
       if (direct(task.row)) {
         const std::int64_t row = task.row;
