@@ -48,6 +48,11 @@ constexpr std::int64_t kMaxGroups = 16;
 // keys that overhead rivals the piece's own work at H = 128 (measured: 128-key
 // pieces made a batch of one 2.7x slower than torch's gather + softmax, Zen 4).
 constexpr std::int64_t kMinPiece = 512, kMaxPiece = 1024;
+// Except that a row of fewer keys than 2 * kMinPiece (V4 HCA's 128 window keys
+// and 256 entries at 32K) is still cut in two halves where the row may be split
+// (a batch of one): half of the work per core costs more than one repack and
+// merge from 128 keys a half on, the overhead being per head as the work is.
+constexpr std::int64_t kMinHalf = 128;
 // A dequantised piece is written to a buffer the kernel then reads back: at
 // 1024 records of 1152 bytes that buffer filled a 1 MiB L2 (FP8 cache, batch
 // 16: ~1.15x bf16's time, Zen 4, against ~1.05x at 448-record pieces; 224
@@ -76,6 +81,12 @@ RowSplit split_row(std::int64_t keys, std::int64_t max_groups, std::int64_t max_
     r.piece = std::max<std::int64_t>(32, (shorter + 31) / 32 * 32);
     r.pieces = (keys + r.piece - 1) / r.piece;
   }
+  if (r.pieces == 1 && max_groups > 1 && keys >= 2 * kMinHalf) r.pieces = 2;  // a short row: one half per core
+  // Pieces of equal length (to 32 keys): DeepSeek-V4's 640 keys a row (128 window +
+  // 512 compressed) made pieces of 512 and 128, one core waiting on the other for
+  // three quarters of the call.
+  r.piece = std::max<std::int64_t>(32, ((keys + r.pieces - 1) / r.pieces + 31) / 32 * 32);
+  r.pieces = std::max<std::int64_t>(1, (keys + r.piece - 1) / r.piece);
   r.groups = std::min(max_groups, r.pieces);
   return r;
 }
