@@ -71,8 +71,11 @@ void indexer_decode(const IndexerDecodeProblem& p) {
   const AppendCandidatesFn append = select_kernel(kFilters, kdt).append;
   const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
   // The dtype of a dequantised tile: fp32 for the kernels that widen keys
-  // anyway (an FP8 code goes to fp32 in fewer operations than to bf16 and back).
-  const DType tdt = kdt == DType::bf16 && kernel.accepts_f32_keys ? DType::f32 : kdt;
+  // anyway, where the FP8 kernel has a vector fp32 route (an FP8 code goes to
+  // fp32 in fewer operations than to bf16 and back; without that route, as at
+  // the avx512 level today, the bf16 tile and the kernel's own widening stay).
+  const DType tdt =
+      kdt == DType::bf16 && kernel.accepts_f32_keys && to_bf16.power_of_two_f32 ? DType::f32 : kdt;
   const std::size_t tes = dtype_size(tdt);
 
   // Segments per request, from the problem alone.

@@ -313,7 +313,10 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
       }
       const PieceRecords piece_records{&p, s.records.data() + k0, in_kernel ? s.compressed.data() + k0 : nullptr,
                                        &to_bf16};
-      const RowDecoder decoder{decode_record, &piece_records, record_bytes, decode_record_f32};
+      // Straight to fp32 only where the FP8 kernel has that route (not the avx512 level
+      // yet: there the fp32 FMA kernels keep widening the decoded bf16 row themselves).
+      const RowDecoder decoder{decode_record, &piece_records, record_bytes,
+                               to_bf16.power_of_two_f32 ? decode_record_f32 : nullptr};
       const KeyRows keys{s.main.data(), nullptr, n, in_kernel ? &decoder : nullptr};
       if (direct(task.row)) {
         const std::int64_t row = task.row;
