@@ -92,6 +92,28 @@ inline void encode_token(const PagedCache& cache, const float* values, std::uint
   }
 }
 
+// An FP8 record's scale groups: fn(i0, i1, scale) for its quantised values [i0, i1).
+template <class Fn>
+inline void for_each_scale_group(const PagedCache& cache, const std::uint8_t* record, Fn&& fn) {
+  const std::int64_t nq = cache.quantised_dim(), groups = cache.scale_groups();
+  for (std::int64_t g = 0; g < groups; ++g) {
+    float scale;
+    std::memcpy(&scale, record + nq + 4 * g, 4);
+    const std::int64_t i0 = g * kCacheScaleGroup;
+    fn(i0, std::min(nq, i0 + kCacheScaleGroup), scale);
+  }
+}
+
+// An FP8 record's bf16 RoPE part (after its codes and scales) as fp32 out[0, rope_dim).
+inline void decode_rope(const PagedCache& cache, const std::uint8_t* record, float* out) {
+  const std::uint8_t* rope = record + cache.quantised_dim() + 4 * cache.scale_groups();
+  for (std::int64_t i = 0; i < cache.layout.rope_dim; ++i) {
+    std::uint16_t bits;
+    std::memcpy(&bits, rope + 2 * i, 2);
+    out[i] = bf16_to_float(bits);
+  }
+}
+
 // decode: one record -> `dim` fp32 values (exact: an FP8 value times its
 // power-of-two scale, or a bf16 value).
 inline void decode_token(const PagedCache& cache, const std::uint8_t* record, float* out) {
@@ -109,19 +131,10 @@ inline void decode_token(const PagedCache& cache, const std::uint8_t* record, fl
     return;
   }
   const std::array<float, 256>& table = e4m3_table();
-  const std::int64_t nq = cache.quantised_dim(), groups = cache.scale_groups();
-  for (std::int64_t g = 0; g < groups; ++g) {
-    float scale;
-    std::memcpy(&scale, record + nq + 4 * g, 4);
-    const std::int64_t i0 = g * kCacheScaleGroup, i1 = std::min(nq, i0 + kCacheScaleGroup);
+  for_each_scale_group(cache, record, [&](std::int64_t i0, std::int64_t i1, float scale) {
     for (std::int64_t i = i0; i < i1; ++i) out[i] = table[record[i]] * scale;
-  }
-  const std::uint8_t* rope = record + nq + 4 * groups;
-  for (std::int64_t i = 0; i < l.rope_dim; ++i) {
-    std::uint16_t bits;
-    std::memcpy(&bits, rope + 2 * i, 2);
-    out[nq + i] = bf16_to_float(bits);
-  }
+  });
+  decode_rope(cache, record, out + cache.quantised_dim());
 }
 
 }  // namespace dsa::core

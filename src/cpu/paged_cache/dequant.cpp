@@ -79,42 +79,21 @@ void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, s
     }
     return;
   }
-  const std::int64_t nq = cache.quantised_dim(), groups = cache.scale_groups();
-  for (std::int64_t g = 0; g < groups; ++g) {
-    float scale;
-    std::memcpy(&scale, record + nq + 4 * g, 4);
-    const std::int64_t i0 = g * kCacheScaleGroup, i1 = std::min(nq, i0 + kCacheScaleGroup);
+  const std::int64_t nq = cache.quantised_dim();
+  core::for_each_scale_group(cache, record, [&](std::int64_t i0, std::int64_t i1, float scale) {
     kernel.run(record + i0, i1 - i0, scale, out + i0);
-  }
-  std::memcpy(out + nq, record + nq + 4 * groups, 2 * l.rope_dim);  // the RoPE part: bf16 already
+  });
+  std::memcpy(out + nq, record + nq + 4 * cache.scale_groups(), 2 * l.rope_dim);  // the RoPE part: bf16 already
 }
 
 void record_to_f32(const core::PagedCache& cache, const std::uint8_t* record, float* out, const Fp8ToBf16& kernel) {
-  const CacheLayout& l = cache.layout;
-  const auto widen = [&](const std::uint8_t* bf16, std::int64_t n, float* dst) {
-    for (std::int64_t i = 0; i < n; ++i) {
-      std::uint16_t v;
-      std::memcpy(&v, bf16 + 2 * i, 2);
-      dst[i] = core::bf16_to_float(v);
-    }
-  };
-  if (l.dtype == CacheDType::bf16) return widen(record, l.dim, out);
-  if (l.dtype == CacheDType::f32) {
-    for (std::int64_t i = 0; i < l.dim; ++i) {
-      float v;
-      std::memcpy(&v, record + 4 * i, 4);
-      out[i] = core::bf16_to_float(core::float_to_bf16(v));  // record_to_bf16's rounding
-    }
-    return;
-  }
-  const std::int64_t nq = cache.quantised_dim(), groups = cache.scale_groups();
-  for (std::int64_t g = 0; g < groups; ++g) {
-    float scale;
-    std::memcpy(&scale, record + nq + 4 * g, 4);
-    const std::int64_t i0 = g * kCacheScaleGroup, i1 = std::min(nq, i0 + kCacheScaleGroup);
+  // A bf16 record widened is core::decode_token's; an fp32 one never meets a bf16
+  // kernel (kernel_dtype is fp32 where any cache is).
+  if (cache.layout.dtype != CacheDType::fp8_e4m3) return core::decode_token(cache, record, out);
+  core::for_each_scale_group(cache, record, [&](std::int64_t i0, std::int64_t i1, float scale) {
     kernel.run_f32(record + i0, i1 - i0, scale, out + i0);
-  }
-  widen(record + nq + 4 * groups, l.rope_dim, out + nq);
+  });
+  core::decode_rope(cache, record, out + cache.quantised_dim());
 }
 
 }  // namespace dsa::cpu::dequant

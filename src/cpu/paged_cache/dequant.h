@@ -67,7 +67,8 @@ inline bool records_are_rows(const core::PagedCache& cache, DType kernel) {
 // A bf16 or FP8 record of `cache` as `dim` bf16 values (fp32 records: rounded).
 void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, std::uint16_t* out,
                     const Fp8ToBf16& kernel);
-// record_to_bf16's values as `dim` fp32 values.
+// record_to_bf16's values as `dim` fp32 values for bf16 and FP8 records (an fp32
+// record: core::decode_token's, unrounded; no bf16 kernel reads one).
 void record_to_f32(const core::PagedCache& cache, const std::uint8_t* record, float* out, const Fp8ToBf16& kernel);
 
 }  // namespace dsa::cpu::dequant

@@ -76,10 +76,8 @@ RowSplit split_row(std::int64_t keys, std::int64_t max_groups, std::int64_t max_
     // An odd count of one-piece groups leaves a core idle for the last one: 2048 keys
     // in dequantised pieces of 448 keys made 5 tasks, 3 rounds on 2 cores (FP8 through
     // the buffer, batch 1, H = 128: 9 % slower than 6 pieces, Zen 1 class AVX2). One
-    // more piece, all shorter, gives each of 2 cores the same share.
-    const std::int64_t shorter = (keys + r.pieces) / (r.pieces + 1);
-    r.piece = std::max<std::int64_t>(32, (shorter + 31) / 32 * 32);
-    r.pieces = (keys + r.piece - 1) / r.piece;
+    // more piece, all shorter (below), gives each of 2 cores the same share.
+    ++r.pieces;
   }
   if (r.pieces == 1 && max_groups > 1 && keys >= 2 * kMinHalf) r.pieces = 2;  // a short row: one half per core
   // Pieces of equal length (to 32 keys): DeepSeek-V4's 640 keys a row (128 window +
