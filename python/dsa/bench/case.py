@@ -64,6 +64,5 @@ def work_of(case: Case) -> tuple[str, str]:
         return LEGACY_CEILINGS[case.ceiling]
     if case.ceiling not in ("compute", "copy_bw", "vector_ops") or case.dtype not in ("bf16", "fp32"):
         raise ValueError(f"{case.name}: ceiling must be 'compute', 'copy_bw' or 'vector_ops' and dtype 'bf16' or "
-                         f"'fp32', "
-                         f"got {case.ceiling!r} / {case.dtype!r}")
+                         f"'fp32', got {case.ceiling!r} / {case.dtype!r}")
     return case.ceiling, case.dtype
