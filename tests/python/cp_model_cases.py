@@ -45,21 +45,22 @@ def _grads(model):
             for n, p in model.named_parameters()}
 
 
-def _single(model, ids, pos, **extra):
+def _single(model, ids, pos, labels=None, **extra):
     """The single-process packed call (one row, position ids restarting per document)."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=ids[None], position_ids=pos[None], labels=ids[None], use_cache=False, **extra)
+    labels = ids if labels is None else labels
+    out = model(input_ids=ids[None], position_ids=pos[None], labels=labels[None], use_cache=False, **extra)
     out.loss.backward()
     return out.logits.detach()[0], out.loss.detach(), _grads(model)
 
 
-def _cp_run(model, ids, ends, offsets, rank, balance="contiguous", **extra):
+def _cp_run(model, ids, ends, offsets, rank, balance="contiguous", labels=None, **extra):
     model.zero_grad(set_to_none=True)
     if balance == "zigzag":  # chunks r and 2W-1-r of 2W
-        local = ZigzagTNDShard(rank, dist.get_world_size(), ends).rows_of(ids)
+        rows = ZigzagTNDShard(rank, dist.get_world_size(), ends).rows_of
     else:
-        local = ids[offsets[rank]:offsets[rank + 1]]
-    kw = cp_batch(model, local, ends, balance=balance)
+        rows = lambda x: x[offsets[rank]:offsets[rank + 1]]  # noqa: E731
+    kw = cp_batch(model, rows(ids), ends, labels=None if labels is None else rows(labels), balance=balance)
     out = model(**kw, **extra)
     model._dsa_last_out = out
     out.loss.backward()
@@ -84,12 +85,18 @@ def case_vs_single(chk, world, rank, kind, layout, indexer_loss, seed=0, balance
     ends, offsets = (PACKED if layout == "packed" else SINGLE)[world]
     base = build(kind, seed=seed)
     ids, pos = _inputs(ends)
+    # No document predicts the next one's first token, and the row after the first rank
+    # boundary (contiguous) or chunk edge (zigzag) has no target either: cp_batch's shift
+    # must carry that ignore_index across the ranks.
+    labels = ids.clone()
+    labels[[0] + ends[:-1]] = -100
+    labels[offsets[1] if balance == "contiguous" else ends[-1] // (2 * world)] = -100
     ref = patch(copy.deepcopy(base), indexer_loss=indexer_loss, strict=True)
-    logits, loss, grads = _single(ref, ids, pos)
+    logits, loss, grads = _single(ref, ids, pos, labels)
     cpm = patch(copy.deepcopy(base), indexer_loss=indexer_loss, strict=True, cp_group=dist.group.WORLD)
     if balance == "zigzag":
         track_indexer_recall(cpm)  # read call by call: a zigzag rank's two runs see different key prefixes
-    c_logits, c_loss, c_grads, shard = _cp_run(cpm, ids, ends, offsets, rank, balance)
+    c_logits, c_loss, c_grads, shard = _cp_run(cpm, ids, ends, offsets, rank, balance, labels)
     for name, value in indexer_recall(cpm).items():
         chk.true(f"recall of {name} in [0, 1]: {value}", value is None or -1e-6 <= value <= 1 + 1e-6)
     chk.close("logits of the local rows", c_logits, shard.rows_of(logits))

@@ -77,6 +77,7 @@ def _check_shard(ends, offsets, ratio):
         assert s.query_lengths == cum(q)
         assert s.key_lengths == cum(p)
         assert s.kv_rows == e and s.local_rows == e - o
+        assert [t for a, b in s.runs for t in range(a, b)] == list(range(o, e))
         assert s.positions().tolist() == pos[o:e]
         # bottom-right alignment reproduces each local query's document position
         starts_q = [0] + cum(q)[:-1]

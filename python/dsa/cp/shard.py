@@ -252,6 +252,15 @@ class TNDShard(_PackedStream, Shard):
     def local_counts(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in zip(self.offsets, self.offsets[1:]))
 
+    def runs_of(self, rank: int) -> list[tuple[int, int]]:
+        """Global row ranges ``[a, e)`` rank ``rank`` holds (one, or none for an empty run)."""
+        a, e = self.offsets[rank], self.offsets[rank + 1]
+        return [(a, e)] if e > a else []
+
+    @property
+    def runs(self) -> list[tuple[int, int]]:
+        return self.runs_of(self.rank)
+
     # -- the Shard interface -----------------------------------------------------------------
     layout = "TND"
     seq_dim = 0

@@ -221,8 +221,7 @@ def cp_batch(state, input_ids, doc_ends, labels=None, ignore_index: int = -100, 
     # The model shifts labels inside its call; the target of a run's last row is the
     # label of the next global row, on another rank, so shift over the whole stream here
     # (as transformers shifts a single-process packed row) and pass it as shift_labels.
-    everyone = shard.gather(labels.detach())
-    shift = shard.rows_of(torch.cat([everyone[1:], everyone.new_full((1,), ignore_index)]))
+    shift = _shift_over_stream(shard, labels.detach(), ignore_index)
     from dsa.cp.comm import all_reduce_count
     n = all_reduce_count(int((shift != ignore_index).sum()), group)
     # transformers divides the summed loss by num_items_in_batch: the global target count
@@ -233,6 +232,27 @@ def cp_batch(state, input_ids, doc_ends, labels=None, ignore_index: int = -100, 
             "labels": labels.unsqueeze(0), "shift_labels": shift.unsqueeze(0),
             "num_items_in_batch": torch.tensor(float(items)), "use_cache": False,
             SHARD_KWARG: shard}
+
+
+def _shift_over_stream(shard, labels, ignore_index):
+    """``labels`` (this rank's runs, in local order) shifted by one row of the global
+    stream. Row ``e`` after a run ``[a, e)`` starts some rank's run, so each rank sends
+    the first label of its runs (one or two values), not its whole run."""
+    from dsa.cp.comm import all_gather_rows
+    runs = [shard.runs_of(q) for q in range(shard.world_size)]
+    local = 0
+    firsts = []
+    for a, e in shard.runs:
+        firsts.append(labels[local:local + 1])
+        local += e - a
+    firsts = all_gather_rows(torch.cat(firsts), [len(r) for r in runs], shard.rank, shard.group, 0).tolist()
+    first_at = {a: v for (a, _), v in zip([run for r in runs for run in r], firsts)}
+    pieces, local = [], 0
+    for a, e in shard.runs:
+        nxt = first_at.get(e, ignore_index)  # the stream's last row has no next one
+        pieces += [labels[local + 1:local + e - a], labels.new_full((1,), nxt)]
+        local += e - a
+    return torch.cat(pieces)
 
 
 # ---------------------------------------------------------------- MoE balance loss
