@@ -196,7 +196,9 @@ def binding_case(case, ceilings: dict, isa: str, bf16_native: bool, peaks):
     from dataclasses import replace
     compute = ceilings.get(choose_ceiling("compute", case.dtype, isa, bf16_native, peaks))
     copy = ceilings.get("copy_bw")
-    rate = vector_op_rate(ceilings, isa)
+    # The rate measure_ceilings stored for this machine's ISA, which the runner then
+    # divides by too: one number for the bound's choice and the case's fraction.
+    rate = ceilings.get("vector_ops", 0.0)
     ops = case.vector_ops.get(isa, 0.0)
     bounds = {}  # work -> (seconds, what binds, how its time was formed)
     if case.flops:
