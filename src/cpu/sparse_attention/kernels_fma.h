@@ -179,6 +179,50 @@ struct Carver {
   }
 };
 
+// One token's distinct key rows in an owner block. An index list may name a key
+// more than once, and two C rows of one product must not alias, so both dkv passes
+// run one product row per distinct key: the kept-weights pass sums the entries'
+// kept rows into it (`place`), the recompute pass weights it by its count (`count`).
+// Per block row: its count (uint32: a list may repeat one key more than 2^16 times)
+// and place, and the list of rows (uint16: owner_rows <= kMaxOwnerBlock < 2^16).
+// Counts are zero between tokens: `clear` resets only the rows the token touched.
+class DistinctKeys {
+ public:
+  static std::int64_t scratch_words(std::int64_t owner_rows) { return 2 * owner_rows; }  // 4-byte words
+  DistinctKeys(std::uint32_t* scratch, std::int64_t owner_rows)
+      : count_(scratch),
+        unique_(reinterpret_cast<std::uint16_t*>(scratch + owner_rows)),
+        place_(unique_ + owner_rows) {
+    std::fill(count_, count_ + owner_rows, 0u);
+  }
+  // The token's distinct rows, in first-listed order; returns how many.
+  std::int64_t collect(const TokenEntries& tok) {
+    n_ = 0;
+    for (std::int64_t e = 0; e < tok.count; ++e) {
+      const std::uint16_t r = tok.offsets[e];
+      if (count_[r]++ == 0) {
+        place_[r] = static_cast<std::uint16_t>(n_);
+        unique_[n_++] = r;
+      }
+    }
+    return n_;
+  }
+  // Rows in ascending order (the recompute pass reads key rows: in order, they stream);
+  // `place` no longer holds after it.
+  void sort() { std::sort(unique_, unique_ + n_); }
+  std::uint16_t row(std::int64_t u) const { return unique_[u]; }
+  std::int64_t place(std::int64_t r) const { return place_[r]; }
+  float count(std::int64_t r) const { return static_cast<float>(count_[r]); }
+  void clear() {
+    for (std::int64_t u = 0; u < n_; ++u) count_[unique_[u]] = 0;
+  }
+
+ private:
+  std::uint32_t* count_;
+  std::uint16_t *unique_, *place_;
+  std::int64_t n_ = 0;
+};
+
 std::size_t fma_scratch_bytes(const Shape& s) {
   const Dims d(s);
   const std::int64_t H = d.hp;
@@ -193,8 +237,8 @@ std::size_t fma_scratch_bytes(const Shape& s) {
   // The block's keys and sums (kept weights: merged P and dS rows of a token's
   // repeated entries where the keys would be), ...
   const std::int64_t key_pass = s.owner_rows * std::max(d.dp, 2 * H) + s.owner_rows * d.dp + 2 * H * d.dp +
-                                2 * H * d.dvp + 2 * kBlock * H + 3 * H + s.owner_rows +
-                                s.owner_rows / 2 + 1;  // weights, then the uint16 list of unique entries
+                                2 * H * d.dvp + 2 * kBlock * H + 3 * H +
+                                DistinctKeys::scratch_words(s.owner_rows);  // 4-byte words, as floats
   const std::int64_t floats = std::max({forward, query_pass, key_pass});
   return static_cast<std::size_t>(floats) * 4 + 2 * pointer_count(d) * sizeof(float*) + 16 * 64;
 }
@@ -400,10 +444,9 @@ void finish_key_block(const Shape& s, const Dims& d, const float* acc, std::int6
 // dK rows += dS^T . Q and dV rows += P^T . dO with A rows read in place from
 // the token's packed P^T and dS^T. The block's keys are never loaded. A key the
 // token lists more than once (an index list with repeats) gets one row, the sum
-// of its entries' rows, as two C rows of one product must not alias.
+// of its entries' rows (DistinctKeys).
 void fma_backward_key_block_kept(const Shape& s, const KeyRows& block, const TokenEntries* tokens,
                                  std::int64_t n_tokens, void* scratch, float* partial, void* d_main, void* d_rope) {
-  constexpr std::uint16_t kAbsent = 0xFFFF;  // owner_rows <= kMaxOwnerBlock < 2^16
   const Dims d(s);
   Carver c{static_cast<char*>(scratch)};
   float* merged = c.take<float>(s.owner_rows * std::max(d.dp, 2 * d.hp));  // P^T rows, then dS^T rows
@@ -413,22 +456,15 @@ void fma_backward_key_block_kept(const Shape& s, const KeyRows& block, const Tok
   float* mx = c.take<float>(d.hp);
   float* cf = c.take<float>(d.hp);
   float* dl = c.take<float>(d.hp);
-  std::uint16_t* where = c.take<std::uint16_t>(s.owner_rows);  // a block row's place in `unique`
-  std::uint16_t* unique = c.take<std::uint16_t>(s.owner_rows);
+  DistinctKeys keys(c.take<std::uint32_t>(DistinctKeys::scratch_words(s.owner_rows)), s.owner_rows);
   const float** arow = c.take<const float*>(pointer_count(d));
   float** crow = c.take<float*>(pointer_count(d));
   start_block_sums(s, partial, block.count, block.count, d.dp, acc);
-  std::fill(where, where + s.owner_rows, kAbsent);
   float* merged_ds = merged + s.owner_rows * d.hp;
   for (std::int64_t t = 0; t < n_tokens; ++t) {
     const TokenEntries& tok = tokens[t];
     assert(tok.slots && tok.row.packed);
-    std::int64_t n_unique = 0;
-    for (std::int64_t e = 0; e < tok.count; ++e)
-      if (where[tok.offsets[e]] == kAbsent) {
-        where[tok.offsets[e]] = static_cast<std::uint16_t>(n_unique);
-        unique[n_unique++] = tok.offsets[e];
-      }
+    const std::int64_t n_unique = keys.collect(tok);
     pack_query(s, d, tok.query, qrows, nullptr);
     pack_grad_out(s, d, tok.row, grows, nullptr);
     load_constants(s, d, tok.row, mx, cf, dl);
@@ -440,7 +476,7 @@ void fma_backward_key_block_kept(const Shape& s, const KeyRows& block, const Tok
       std::fill(merged, merged + n_unique * d.hp, 0.0f);
       std::fill(merged_ds, merged_ds + n_unique * d.hp, 0.0f);
       for (std::int64_t e = 0; e < tok.count; ++e) {
-        const std::int64_t u = where[tok.offsets[e]], slot = tok.slots[e];
+        const std::int64_t u = keys.place(tok.offsets[e]), slot = tok.slots[e];
         for (std::int64_t h = 0; h < d.hp; h += kLanes) {
           vstore(merged + u * d.hp + h, vadd(vload(merged + u * d.hp + h), vload(kept_p + slot * d.hp + h)));
           vstore(merged_ds + u * d.hp + h, vadd(vload(merged_ds + u * d.hp + h), vload(kept_ds + slot * d.hp + h)));
@@ -453,7 +489,7 @@ void fma_backward_key_block_kept(const Shape& s, const KeyRows& block, const Tok
       const std::int64_t n = std::min(kBlock, entries - first);
       for (std::int64_t e = 0; e < n; ++e) {
         const std::int64_t x = first + e;
-        crow[e] = acc + (repeats ? unique[x] : tok.offsets[x]) * d.dp;
+        crow[e] = acc + (repeats ? keys.row(x) : tok.offsets[x]) * d.dp;
         arow[e] = repeats ? merged_ds + x * d.hp : kept_ds + tok.slots[x] * d.hp;
       }
       gemm(n, d.dp, d.hp, arow, 1, qrows, d.dp, crow, true);  // dK rows += dS^T . Q
@@ -463,7 +499,7 @@ void fma_backward_key_block_kept(const Shape& s, const KeyRows& block, const Tok
       }
       gemm(n, d.dvp, d.hp, arow, 1, grows, d.dvp, crow, true);  // dV rows += P^T . dO
     }
-    for (std::int64_t u = 0; u < n_unique; ++u) where[unique[u]] = kAbsent;
+    keys.clear();
   }
   finish_key_block(s, d, acc, block.count, partial, d_main, d_rope);
 }
@@ -484,34 +520,30 @@ void fma_backward_key_block(const Shape& s, const KeyRows& block, const TokenEnt
   float* mx = c.take<float>(d.hp);
   float* cf = c.take<float>(d.hp);
   float* dl = c.take<float>(d.hp);
-  float* weight = c.take<float>(s.owner_rows);
-  std::uint16_t* unique = c.take<std::uint16_t>(s.owner_rows);
+  DistinctKeys keys(c.take<std::uint32_t>(DistinctKeys::scratch_words(s.owner_rows)), s.owner_rows);
   float** arow = c.take<float*>(pointer_count(d));
   float** crow = c.take<float*>(pointer_count(d));
   load_keys(s, d, block, 0, block.count, kbb, /*decoded=*/nullptr);
   start_block_sums(s, partial, block.count, block.count, d.dp, acc);
-  std::fill(weight, weight + s.owner_rows, 0.0f);
   const Vec scale = vset(s.scale);
   for (std::int64_t t = 0; t < n_tokens; ++t) {
     const TokenEntries& tok = tokens[t];
     // A key the token lists twice contributes twice: once, with weight 2.
-    std::int64_t n_unique = 0;
-    for (std::int64_t e = 0; e < tok.count; ++e)
-      if ((weight[tok.offsets[e]] += 1.0f) == 1.0f) unique[n_unique++] = tok.offsets[e];
-    std::sort(unique, unique + n_unique);
+    const std::int64_t n_unique = keys.collect(tok);
+    keys.sort();
     pack_query(s, d, tok.query, qrows, qt);
     pack_grad_out(s, d, tok.row, grows, gt);
     load_constants(s, d, tok.row, mx, cf, dl);
     zero_dead_heads(s, d, mx, qrows, grows);
     for (std::int64_t first = 0; first < n_unique; first += kBlock) {
       const std::int64_t n = std::min(kBlock, n_unique - first);
-      for (std::int64_t e = 0; e < n; ++e) arow[e] = kbb + unique[first + e] * d.dp;
+      for (std::int64_t e = 0; e < n; ++e) arow[e] = kbb + keys.row(first + e) * d.dp;
       rows_of(st, d.hp, n, crow);
       gemm(n, d.hp, d.dp, arow, 1, qt, d.hp, crow, false);  // S^T
       rows_of(dpt, d.hp, n, crow);
       gemm(n, d.hp, d.dvp, arow, 1, gt, d.hp, crow, false);  // dP^T
       for (std::int64_t e = 0; e < n; ++e) {
-        const float w = weight[unique[first + e]];
+        const float w = keys.count(keys.row(first + e));
         const Vec vw = vset(w), vws = vset(w * s.scale);
         for (std::int64_t g = 0; g < d.hp; g += kLanes) {
           Vec p, ds;
@@ -522,13 +554,13 @@ void fma_backward_key_block(const Shape& s, const KeyRows& block, const TokenEnt
         }
       }
       // dK rows += dS^T . Q (all dims), dV rows += P^T . dO (value dims).
-      for (std::int64_t e = 0; e < n; ++e) crow[e] = acc + unique[first + e] * d.dp;
+      for (std::int64_t e = 0; e < n; ++e) crow[e] = acc + keys.row(first + e) * d.dp;
       rows_of(dpt, d.hp, n, arow);
       gemm(n, d.dp, d.hp, arow, 1, qrows, d.dp, crow, true);
       rows_of(st, d.hp, n, arow);
       gemm(n, d.dvp, d.hp, arow, 1, grows, d.dvp, crow, true);
     }
-    for (std::int64_t e = 0; e < n_unique; ++e) weight[unique[e]] = 0.0f;
+    keys.clear();
   }
   finish_key_block(s, d, acc, block.count, partial, d_main, d_rope);
 }
