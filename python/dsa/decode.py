@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from . import _C
-from ._common import check_backend, check_int, check_tensors, num_threads, plain_eager
+from ._common import check_backend, check_int, check_tensors, handoff, num_threads, plain_eager
 from .paged_cache import check_cache_dtype
 
 
@@ -30,8 +30,8 @@ def _indexer_decode_kernel(index_query: torch.Tensor, weights: torch.Tensor, key
                            block_table: torch.Tensor, context_lens: torch.Tensor, topk: int, scale: float,
                            cmp_ratio: int, cache_dtype: str, backend: str) -> torch.Tensor:
     indices = torch.empty(*index_query.shape[:2], topk, dtype=torch.int32, device=index_query.device)
-    _C.indexer_decode(index_query, weights, key_cache, block_table, context_lens, indices, topk, scale, cmp_ratio,
-                      cache_dtype, backend, num_threads())
+    _C.indexer_decode(*handoff(index_query, weights, key_cache, block_table, context_lens, indices), topk, scale,
+                      cmp_ratio, cache_dtype, backend, num_threads())
     return indices
 
 
@@ -72,9 +72,10 @@ def _sparse_attention_decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor,
     B, n, H, D = query.shape
     out = torch.empty(B, n, H, d_v or D, dtype=query.dtype, device=query.device)
     lse = torch.empty(B, n, H, dtype=torch.float32, device=query.device)
-    _C.sparse_attention_decode(query, kv_cache, block_table, context_lens, indices, topk_lens, cmp_cache,
-                               cmp_block_table, cmp_indices, sinks, out, lse, scale, d_v, window, cmp_ratio,
-                               rope_dim, cache_dtype, ring, cmp_cache_dtype, backend, num_threads())
+    _C.sparse_attention_decode(*handoff(query, kv_cache, block_table, context_lens, indices, topk_lens, cmp_cache,
+                                        cmp_block_table, cmp_indices, sinks, out, lse),
+                               scale, d_v, window, cmp_ratio, rope_dim, cache_dtype, ring, cmp_cache_dtype, backend,
+                               num_threads())
     return out, lse
 
 
@@ -130,8 +131,8 @@ def _compressor_append_kernel(kv: torch.Tensor, gate: torch.Tensor, position_bia
                               backend: str) -> torch.Tensor:
     B, n, C = kv.shape
     out = torch.empty(B, -(-n // max(ratio, 1)), C // 2 if overlap else C, dtype=kv.dtype, device=kv.device)
-    _C.compressor_append(kv, gate, position_bias, state_kv, state_gate, lengths, new_lens, out, ratio, overlap,
-                         backend, num_threads())
+    _C.compressor_append(*handoff(kv, gate, position_bias, state_kv, state_gate, lengths, new_lens, out), ratio,
+                         overlap, backend, num_threads())
     return out
 
 

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from . import _C
-from ._common import check_backend, check_int, check_tensors, num_threads, plain_eager
+from ._common import check_backend, check_int, check_tensors, handoff, num_threads, plain_eager
 
 CACHE_DTYPES = ("fp32", "bf16", "fp8")
 DEFAULT_BLOCK_SIZE = 64
@@ -86,7 +86,8 @@ def huge_page_zeros(shape) -> torch.Tensor:
 
 def _cache_write_kernel(cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
                         values: torch.Tensor, rope_dim: int, cache_dtype: str, ring: bool, backend: str) -> None:
-    _C.cache_write(cache, block_table, positions, values, rope_dim, cache_dtype, ring, backend, num_threads())
+    _C.cache_write(*handoff(cache, block_table, positions, values), rope_dim, cache_dtype, ring, backend,
+                   num_threads())
 
 
 _cache_write_op = torch.library.custom_op("dsa::cache_write", _cache_write_kernel, mutates_args=("cache",))
