@@ -51,12 +51,16 @@ def check_tensors(required: dict, optional: dict | None = None) -> None:
             named.append((name, check_tensor(value, name)))
     if not named:
         return
-    real = [(n, t) for n, t in named if t.device.type != "meta"]
+    # is_meta / is_cpu, not device.type: building a device object costs ~1 us a tensor,
+    # which a decode call (up to 10 tensors, several calls a layer per token) pays.
+    real = [(n, t) for n, t in named if not t.is_meta]
     if real and len(real) < len(named):
-        meta = next(n for n, t in named if t.device.type == "meta")
+        meta = next(n for n, t in named if t.is_meta)
         raise ValueError(f"{meta}: a meta tensor (a shape without data, e.g. a weight not loaded yet) beside "
                          f"{real[0][0]} on {real[0][1].device}; materialise it first (module.to_empty(device=...) "
                          "and load_state_dict, or from_pretrained without an empty-weights context)")
+    if all(t.is_cpu for _, t in real):
+        return
     for name, t in real[1:]:
         if t.device != real[0][1].device:
             raise ValueError(f"{name}: on {t.device}, but {real[0][0]} is on {real[0][1].device}; "
@@ -85,7 +89,7 @@ def plain_eager(*tensors) -> bool:
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._len_torch_function_stack() or torch._C._are_functorch_transforms_active()):
         return False
-    return all(t is None or (type(t) is torch.Tensor and t.device.type == "cpu") for t in tensors)
+    return all(t is None or (type(t) is torch.Tensor and t.is_cpu) for t in tensors)
 
 
 def missing_extra(modules, extra: str, what: str):
