@@ -24,7 +24,8 @@ def handoff(*tensors):
     """The tensors as DLPack capsules for a ``_C`` call (None stays None): nanobind takes
     a capsule as it is, where for a tensor it calls ``Tensor.__dlpack__``, a Python method
     (~6 us a tensor against ~1 us for ``to_dlpack``, Zen 1 class EPYC: 44 of a decode
-    attention call's ~80 us in ``_C``, its 10 tensor arguments). For the per-token ops.
+    attention call's ~80 us in ``_C``, with up to 12 tensor arguments). For the
+    per-token ops.
     What ``__dlpack__`` refuses besides is nothing ``_C`` takes: a tensor that requires
     grad (the kernels read data only) or one with the conjugate or negative bit (complex
     views; ``_C`` refuses complex dtypes by name)."""

@@ -22,6 +22,8 @@ struct PagedCache {
 
   std::int64_t quantised_dim() const { return layout.dim - layout.rope_dim; }
   std::int64_t scale_groups() const { return (quantised_dim() + kCacheScaleGroup - 1) / kCacheScaleGroup; }
+  // Where an FP8 record's bf16 RoPE part starts: after its codes and fp32 scales.
+  std::int64_t fp8_rope_offset() const { return quantised_dim() + 4 * scale_groups(); }
   std::uint8_t* token(std::int64_t slot) const { return data + slot * token_bytes; }
 };
 
@@ -85,7 +87,7 @@ inline void encode_token(const PagedCache& cache, const float* values, std::uint
     std::memcpy(record + nq + 4 * g, &scale, 4);
     for (std::int64_t i = i0; i < i1; ++i) record[i] = float_to_e4m3(values[i] / scale);
   }
-  std::uint8_t* rope = record + nq + 4 * groups;
+  std::uint8_t* rope = record + cache.fp8_rope_offset();
   for (std::int64_t i = 0; i < l.rope_dim; ++i) {
     const std::uint16_t bits = float_to_bf16(values[nq + i]);
     std::memcpy(rope + 2 * i, &bits, 2);
@@ -106,7 +108,7 @@ inline void for_each_scale_group(const PagedCache& cache, const std::uint8_t* re
 
 // An FP8 record's bf16 RoPE part (after its codes and scales) as fp32 out[0, rope_dim).
 inline void decode_rope(const PagedCache& cache, const std::uint8_t* record, float* out) {
-  const std::uint8_t* rope = record + cache.quantised_dim() + 4 * cache.scale_groups();
+  const std::uint8_t* rope = record + cache.fp8_rope_offset();
   for (std::int64_t i = 0; i < cache.layout.rope_dim; ++i) {
     std::uint16_t bits;
     std::memcpy(&bits, rope + 2 * i, 2);

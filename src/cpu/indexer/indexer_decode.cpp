@@ -70,12 +70,11 @@ void indexer_decode(const IndexerDecodeProblem& p) {
   const ScoreKernel& kernel = pick_score_kernel(kdt);
   const AppendCandidatesFn append = select_kernel(kFilters, kdt).append;
   const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
-  // The dtype of a dequantised tile: fp32 for the kernels that widen keys
-  // anyway, where the FP8 kernel has a vector fp32 route (an FP8 code goes to
-  // fp32 in fewer operations than to bf16 and back; without that route, as at
-  // the avx512 level today, the bf16 tile and the kernel's own widening stay).
+  // The dtype of a key tile: the records' own in place; dequantised, fp32 for the
+  // kernels that widen keys anyway where the FP8 kernel has a vector fp32 route (an
+  // FP8 code goes to fp32 in fewer operations than to bf16 and back).
   const DType tdt =
-      kdt == DType::bf16 && kernel.accepts_f32_keys && to_bf16.power_of_two_f32 ? DType::f32 : kdt;
+      !in_place && kdt == DType::bf16 && kernel.accepts_f32_keys && to_bf16.has_f32_route() ? DType::f32 : kdt;
   const std::size_t tes = dtype_size(tdt);
 
   // Segments per request, from the problem alone.
@@ -154,7 +153,6 @@ void indexer_decode(const IndexerDecodeProblem& p) {
       if (in_place && k0 % bs + n > bs) n = bs - k0 % bs;  // in place: the tile stays in its block
       if (in_place) {
         keys.keys = p.keys.token(p.table.slot(b, k0));
-        keys.dtype = kdt;
       } else {
         for (std::int64_t k = 0; k < n; ++k) {
           const std::uint8_t* rec = p.keys.token(p.table.slot(b, k0 + k));

@@ -83,7 +83,7 @@ void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, s
   core::for_each_scale_group(cache, record, [&](std::int64_t i0, std::int64_t i1, float scale) {
     kernel.run(record + i0, i1 - i0, scale, out + i0);
   });
-  std::memcpy(out + nq, record + nq + 4 * cache.scale_groups(), 2 * l.rope_dim);  // the RoPE part: bf16 already
+  std::memcpy(out + nq, record + cache.fp8_rope_offset(), 2 * l.rope_dim);  // the RoPE part: bf16 already
 }
 
 void record_to_f32(const core::PagedCache& cache, const std::uint8_t* record, float* out, const Fp8ToBf16& kernel) {

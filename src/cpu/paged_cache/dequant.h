@@ -37,6 +37,11 @@ struct Fp8ToBf16 {
   void run(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) const;
   // out[i] = the same value as fp32 (exact: every bf16 value is an fp32 value).
   void run_f32(const std::uint8_t* codes, std::int64_t n, float scale, float* out) const;
+  // Whether run_f32 has a vector route for the scales dsa_cache_write stores (AVX2,
+  // portable; not the avx512 level yet). The decode ops hand the fp32 FMA kernels
+  // fp32 keys only where it has: without it, run_f32 is run's bf16 widened, and the
+  // kernels' own widening of the bf16 row costs the same.
+  bool has_f32_route() const { return power_of_two_f32 != nullptr; }
 };
 
 const Fp8ToBf16& portable_kernel();

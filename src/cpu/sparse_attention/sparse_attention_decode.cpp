@@ -311,10 +311,9 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
       }
       const PieceRecords piece_records{&p, s.records.data() + k0, in_kernel ? s.compressed.data() + k0 : nullptr,
                                        &to_bf16};
-      // Straight to fp32 only where the FP8 kernel has that route (not the avx512 level
-      // yet: there the fp32 FMA kernels keep widening the decoded bf16 row themselves).
+      // Straight to fp32 only where the FP8 kernel has that route (Fp8ToBf16::has_f32_route).
       const RowDecoder decoder{decode_record, &piece_records, record_bytes,
-                               to_bf16.power_of_two_f32 ? decode_record_f32 : nullptr};
+                               to_bf16.has_f32_route() ? decode_record_f32 : nullptr};
       const KeyRows keys{s.main.data(), nullptr, n, in_kernel ? &decoder : nullptr};
       if (direct(task.row)) {
         const std::int64_t row = task.row;

@@ -238,21 +238,19 @@ def _shift_over_stream(shard, labels, ignore_index):
     """``labels`` (this rank's runs, in local order) shifted by one row of the global
     stream. Row ``e`` after a run ``[a, e)`` starts some rank's run, so each rank sends
     the first label of its runs (one or two values), not its whole run."""
+    import itertools
+
     from dsa.cp.comm import all_gather_rows
     runs = [shard.runs_of(q) for q in range(shard.world_size)]
-    local = 0
-    firsts = []
-    for a, e in shard.runs:
-        firsts.append(labels[local:local + 1])
-        local += e - a
-    firsts = all_gather_rows(torch.cat(firsts), [len(r) for r in runs], shard.rank, shard.group, 0).tolist()
-    first_at = {a: v for (a, _), v in zip([run for r in runs for run in r], firsts)}
-    pieces, local = [], 0
-    for a, e in shard.runs:
-        nxt = first_at.get(e, ignore_index)  # the stream's last row has no next one
-        pieces += [labels[local + 1:local + e - a], labels.new_full((1,), nxt)]
-        local += e - a
-    return torch.cat(pieces)
+    ends = list(itertools.accumulate(e - a for a, e in shard.runs))  # local end of each run
+    firsts = all_gather_rows(labels[[0] + ends[:-1]], [len(r) for r in runs], shard.rank, shard.group, 0)
+    first_at = dict(zip((a for r in runs for a, _ in r), firsts.tolist()))
+    # Inside a run the next row is local; a run's last row takes the first label of
+    # the run that starts where it ends (none after the stream's last row).
+    shift = labels.roll(-1)
+    for (_, e), end in zip(shard.runs, ends):
+        shift[end - 1] = first_at.get(e, ignore_index)
+    return shift
 
 
 # ---------------------------------------------------------------- MoE balance loss
