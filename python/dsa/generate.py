@@ -6,7 +6,9 @@ writes) or the small random V3.2 / V4 that ``dsa-train`` builds (``--arch``). Wi
 ``--compare`` every (prompt length, configuration) runs in a fresh interpreter (its
 peak memory is its own), within ``--timeout`` seconds: ``unpatched`` (transformers'
 own cache), then ``dsa`` with a cache in the model's dtype and ``dsa-fp8`` (plus
-``dsa-bf16`` for an fp32 model). Each reports prefill tokens/s, decode ms per token and
+``dsa-bf16`` for an fp32 model). The model's dtype defaults to ``auto``: bf16 where
+torch's bf16 matmul is native on this CPU, fp32 where torch emulates it (AVX2-only CPUs,
+where a bf16 model's prefill ran ~6x slower than the same model in fp32). Each reports prefill tokens/s, decode ms per token and
 tokens/s, KV-cache bytes per token, peak RSS and whether its tokens agree with the
 unpatched model's. A table on stdout, ``build/generate.json`` and ``build/generate.png``.
 """
@@ -25,6 +27,32 @@ from ._cli import check_writable, dtype_arg
 from ._common import missing_extra
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _dtype_or_auto(text: str) -> str:
+    """argparse type of --dtype: auto, or what dtype_arg takes."""
+    if text == "auto":
+        return text
+    try:
+        return dtype_arg(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"--dtype: expected auto, fp32 / float32 or bf16 / bfloat16, "
+                                         f"got {text!r}") from None
+
+
+def resolve_dtype(dtype: str) -> tuple[str, str]:
+    """(the model dtype, why) for --dtype: auto is bf16 where torch's bf16 matmul is native
+    here and fp32 where torch emulates it (measured: bf16 against fp32 GEMM FLOP/s on one
+    thread, under a second). On an AVX2-only CPU the emulation runs at ~1 GFLOP/s: the
+    small V3.2's 1024-token prefill took 3.5 s in bf16 and 0.56 s in fp32 (Zen 1 class EPYC)."""
+    if dtype != "auto":
+        return dtype, "--dtype"
+    from .bench.machine import probe_bf16
+    probe = probe_bf16(budget_s=0.5)
+    rates = f"bf16 {probe['bf16_flops'] / 1e9:.3g} / fp32 {probe['fp32_flops'] / 1e9:.3g} GFLOP/s, one thread"
+    if probe["native"]:
+        return "bf16", f"auto: torch's bf16 matmul is native here ({rates})"
+    return "fp32", f"auto: torch's bf16 matmul is emulated here ({rates}), so the model runs in fp32"
 
 
 def _configs(dtype: str) -> list:
@@ -159,8 +187,9 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", choices=("v32", "v4"), default="v32",
                     help="the random model: DeepSeek-V3.2 or V4 (default %(default)s)")
     ap.add_argument("--layers", type=int, default=2, help="layers of the random model (default %(default)s)")
-    ap.add_argument("--dtype", type=dtype_arg, default="bf16", metavar="{fp32,bf16}",
-                    help="the model's dtype: fp32 / float32 or bf16 / bfloat16 (default %(default)s)")
+    ap.add_argument("--dtype", type=_dtype_or_auto, default="auto", metavar="{auto,fp32,bf16}",
+                    help="the model's dtype: fp32 / float32 or bf16 / bfloat16; auto: bf16 where torch's "
+                         "bf16 matmul is native on this CPU, else fp32 (default %(default)s)")
     ap.add_argument("--prompt-lengths", default="1k,4k", metavar="LIST",
                     help="prompt tokens, a comma list such as 1k,4k,16k (default %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=32,
@@ -199,6 +228,8 @@ def main(argv=None) -> int:
                 check_writable(path, what)
     except ValueError as e:
         ap.error(str(e))
+    args.dtype, why = resolve_dtype(args.dtype)
+    print(f"dsa-generate: model dtype {args.dtype} ({why})", flush=True)
     configs = _configs(args.dtype) if args.compare else [(f"dsa-{args.dtype}", True, args.dtype)]
     runs = [(p, c) for p in prompts for c in configs]
     from tqdm import tqdm
@@ -221,7 +252,7 @@ def main(argv=None) -> int:
     import platform
     import torch
     meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "arch": args.model or args.arch, "dtype": args.dtype,
+            "threads": torch.get_num_threads(), "arch": args.model or args.arch, "dtype": args.dtype, "dtype_reason": why,
             "batch": args.batch, "new_tokens": args.new_tokens}
     Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, args.plot)

@@ -67,3 +67,21 @@ def test_unwritable_output_fails_before_any_run(tmp_path, capsys):
         main(["--compare", "--plot", str(tmp_path / "file" / "p.png"), "--json", str(tmp_path / "g.json")])
     assert "--plot: cannot write" in capsys.readouterr().err
     assert not (tmp_path / "g.json").exists()  # the probe leaves nothing behind
+
+
+def test_auto_dtype_follows_the_measured_bf16_rate():
+    """--dtype auto (the default) picks bf16 only where torch's bf16 matmul runs at least
+    half the fp32 rate on this CPU; an explicit dtype is taken as given; `auto` is in the
+    error of a bad --dtype."""
+    from dsa.bench.machine import BF16_NATIVE_MIN_RATIO
+    from dsa.generate import resolve_dtype
+    dtype, why = resolve_dtype("auto")
+    bf16, fp32 = (float(x) for x in why.split("(bf16 ")[1].split(" GFLOP/s")[0].split(" / fp32 "))
+    assert dtype == ("bf16" if bf16 >= BF16_NATIVE_MIN_RATIO * fp32 else "fp32"), why
+    assert resolve_dtype("bf16") == ("bf16", "--dtype") and resolve_dtype("fp32") == ("fp32", "--dtype")
+
+
+def test_bad_dtype_names_auto(capsys):
+    with pytest.raises(SystemExit):
+        main(["--dtype", "half"])
+    assert "expected auto, fp32 / float32 or bf16 / bfloat16, got 'half'" in capsys.readouterr().err
