@@ -15,7 +15,8 @@ and the unpatched and transformers'-cache columns take hours; fp32 is what runs 
 16 heads of 512 with 64 RoPE dims, window 128, CSA every 4 tokens with 64 index heads x
 128 and index_topk 512, HCA every 128, bf16): unpatched (transformers' V4 cache, its
 prompt in 2048-token chunks: one eager call over 32K tokens would need tens of GiB of
-scores) against the patched model over a DsaCache (bf16, fp8).
+scores) against the patched model over a DsaCache (bf16, fp8; with ``--dtype fp32`` the
+model in fp32 and a DsaCache fp32 / bf16 / fp8, as for V3.2).
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ class _GatherPath:
         _v32.DECODE_MAX_ROWS = self.saved
 
 
-def model_v4(max_tokens: int):
+def model_v4(max_tokens: int, dtype: torch.dtype = torch.bfloat16):
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
     cfg = DeepseekV4Config(vocab_size=1024, hidden_size=512, moe_intermediate_size=256, num_hidden_layers=3,
                            layer_types=["sliding_attention", "compressed_sparse_attention",
@@ -113,7 +114,7 @@ def model_v4(max_tokens: int):
                            n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=3,
                            max_position_embeddings=max(4096, max_tokens), attn_implementation="eager")
     torch.manual_seed(0)
-    m = DeepseekV4ForCausalLM(cfg).to(torch.bfloat16).eval()
+    m = DeepseekV4ForCausalLM(cfg).to(dtype).eval()
     with torch.no_grad():  # the model starts sinks and position biases at 0
         for name, p in m.named_parameters():
             if name.endswith("sinks") or name.endswith("position_bias"):
@@ -145,25 +146,26 @@ def _steps(m, out, cache, steps: int) -> float:
 def main_v4(args) -> int:
     from transformers import DynamicCache
     contexts = parse_token_counts(args.contexts)
-    base = model_v4(max(contexts) + args.steps + 1)
+    base = model_v4(max(contexts) + args.steps + 1, torch.float32 if args.dtype == "fp32" else torch.bfloat16)
     patched = patch(copy.deepcopy(base), strict=True)
+    cache_dtypes = ("fp32", "bf16", "fp8") if args.dtype == "fp32" else ("bf16", "fp8")
     rows = []
-    print("| context | unpatched (transformers' V4 cache) | DsaCache bf16 | DsaCache fp8 |")
-    print("|---|---|---|---|")
+    print("| context | unpatched (transformers' V4 cache) | " + " | ".join(f"DsaCache {dt}" for dt in cache_dtypes) + " |")
+    print("|---" * (2 + len(cache_dtypes)) + "|")
     for ctx in contexts:
         ids = torch.randint(1, 1024, (1, ctx), generator=torch.Generator().manual_seed(ctx))
         r = {"context": ctx}
         r["unpatched"] = (step_ms_chunked(base, ids, DynamicCache(config=base.config), args.steps)
                           if ctx <= args.unpatched_max else None)
-        for dt in ("bf16", "fp8"):
+        for dt in cache_dtypes:
             r[f"dsa_cache_{dt}"] = step_ms(patched, ids, DsaCache(patched.config, cache_dtype=dt), args.steps)
         rows.append(r)
         cell = lambda v: "-" if v is None else f"{v:.1f} ms"  # noqa: E731
-        print(f"| {ctx} | {cell(r['unpatched'])} | {cell(r['dsa_cache_bf16'])} | {cell(r['dsa_cache_fp8'])} |",
-              flush=True)
+        print(f"| {ctx} | {cell(r['unpatched'])} | " + " | ".join(cell(r[f"dsa_cache_{dt}"]) for dt in cache_dtypes)
+              + " |", flush=True)
     assert fallback_counts(patched) == {}, fallback_counts(patched)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"arch": "v4", "threads": torch.get_num_threads(), "rows": rows},
+    Path(args.json).write_text(json.dumps({"arch": "v4", "dtype": args.dtype, "threads": torch.get_num_threads(), "rows": rows},
                                           indent=1))
     return 0
 
@@ -178,10 +180,8 @@ def main(argv=None) -> int:
                          "and only the DsaCache configurations run")
     ap.add_argument("--json", default="build/decode_step.json")
     ap.add_argument("--arch", choices=("v32", "v4"), default="v32")
-    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the V3.2 model's dtype")
+    ap.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the model's dtype")
     args = ap.parse_args(argv)
-    if args.arch == "v4" and args.dtype != "bf16":
-        ap.error("--dtype: only with --arch v32 (the V4 model runs in bf16)")
     if args.arch == "v4":
         return main_v4(args)
     contexts = parse_token_counts(args.contexts)

@@ -86,11 +86,18 @@ def plain_eager(*tensors) -> bool:
     torch.autograd.Function: eager (not traced by torch.compile / export), no
     TorchDispatchMode or TorchFunctionMode (FakeTensorMode, FlopCounterMode, ...)
     and no functorch transform active, and only plain CPU tensors (None allowed).
-    Everything else goes through the custom op and its fake kernel."""
+    Everything else goes through the custom op and its fake kernel.
+    A module's ``nn.Parameter`` (a model's sinks, a compressor's position_bias) is a
+    plain tensor here: without that, every such call in a model went through the
+    custom op (a DeepSeek-V4 decode step: ~300 us a compressor_append call instead of
+    ~45, Zen 1 class EPYC). A parameter of a tensor subclass has the subclass's type."""
     if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
             or torch._C._len_torch_function_stack() or torch._C._are_functorch_transforms_active()):
         return False
-    return all(t is None or (type(t) is torch.Tensor and t.is_cpu) for t in tensors)
+    return all(t is None or (type(t) in _PLAIN and t.is_cpu) for t in tensors)
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def missing_extra(modules, extra: str, what: str):

@@ -21,9 +21,11 @@ from .paged_cache import check_cache_dtype
 def _eager(*tensors) -> bool:
     """Whether a decode op's call may skip torch.library's dispatch (~35-50 us a call,
     Zen 4: a decode step makes several per layer): plain eager CPU tensors, none
-    requiring a gradient (the decode ops have none; through the custom op such a
-    call keeps torch's own behaviour)."""
-    return plain_eager(*tensors) and not any(t is not None and t.requires_grad for t in tensors)
+    requiring a gradient where autograd records (the decode ops have none; through the
+    custom op such a call keeps torch's own behaviour). Under no_grad, as generate()
+    runs, a model's sinks still say requires_grad: they do not send the call there."""
+    return plain_eager(*tensors) and not (torch.is_grad_enabled()
+                                          and any(t is not None and t.requires_grad for t in tensors))
 
 
 def _indexer_decode_kernel(index_query: torch.Tensor, weights: torch.Tensor, key_cache: torch.Tensor,

@@ -304,7 +304,7 @@ TEST(PagedCache, ValidationReadsOnlyTheColumnsACallTouches) {
 // (the AVX-512 kernel's integer route, 2^-117 .. 2^119, and either side of it)
 // and any other scale (its fp32 route). Their fp32 outputs (run_f32) are the
 // same values.
-TEST(PagedCache, Fp8ToBf16KernelsAgreeOnEveryCode) {
+TEST(PagedCache, Fp8DequantKernelsAgreeOnEveryCode) {
   std::vector<std::uint8_t> codes(256 + 7);
   for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<std::uint8_t>(i * 37 + 11);
   for (int c = 0; c < 256; ++c) codes[c] = static_cast<std::uint8_t>(c);
@@ -315,7 +315,7 @@ TEST(PagedCache, Fp8ToBf16KernelsAgreeOnEveryCode) {
     portable.run(codes.data(), static_cast<std::int64_t>(codes.size()), scale, want.data());
     for (dsa::core::Isa isa : dsa_testing::distinct_paths()) {
       dsa_testing::IsaLimit limit(isa);
-      const auto& kernel = dsa::cpu::dequant::pick_fp8_to_bf16();
+      const auto& kernel = dsa::cpu::dequant::pick_fp8_dequant();
       std::fill(got.begin(), got.end(), 0);
       kernel.run(codes.data(), static_cast<std::int64_t>(codes.size()), scale, got.data());
       EXPECT_EQ(got, want) << kernel.name << " scale " << scale;

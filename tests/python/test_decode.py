@@ -302,3 +302,18 @@ def test_decode_ops_pass_opcheck_and_compile_to_the_eager_bits():
     compiled = torch.compile(step, fullgraph=True)(iq, iw, q)
     for a, b in zip(eager, compiled):
         assert torch.equal(a, b)
+
+
+def test_model_parameters_take_the_eager_path():
+    """A model's parameters (V4's sinks and position_bias) are plain tensors to the eager
+    check, and under no_grad (generate) a requires_grad flag does not send a decode call
+    through torch.library; with autograd recording it still does (torch's behaviour)."""
+    from dsa._common import plain_eager
+    from dsa.decode import _eager
+    p, t = torch.nn.Parameter(torch.zeros(3)), torch.zeros(3)
+    assert plain_eager(p, t, None)
+    assert not _eager(p, t)
+    with torch.no_grad():
+        assert _eager(p, t)
+    with torch.device("meta"):
+        assert not plain_eager(torch.nn.Parameter(torch.zeros(3)))

@@ -69,12 +69,12 @@ void indexer_decode(const IndexerDecodeProblem& p) {
   const bool in_place = dequant::records_are_rows(p.keys, kdt);
   const ScoreKernel& kernel = pick_score_kernel(kdt);
   const AppendCandidatesFn append = select_kernel(kFilters, kdt).append;
-  const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
+  const dequant::Fp8Dequant& fp8 = dequant::pick_fp8_dequant();
   // The dtype of a key tile: the records' own in place; dequantised, fp32 for the
   // kernels that widen keys anyway where the FP8 kernel has a vector fp32 route (an
   // FP8 code goes to fp32 in fewer operations than to bf16 and back).
   const DType tdt =
-      !in_place && kdt == DType::bf16 && kernel.accepts_f32_keys && to_bf16.has_f32_route() ? DType::f32 : kdt;
+      !in_place && kdt == DType::bf16 && kernel.accepts_f32_keys && fp8.has_f32_route() ? DType::f32 : kdt;
   const std::size_t tes = dtype_size(tdt);
 
   // Segments per request, from the problem alone.
@@ -158,8 +158,8 @@ void indexer_decode(const IndexerDecodeProblem& p) {
           const std::uint8_t* rec = p.keys.token(p.table.slot(b, k0 + k));
           char* dst = tile_keys + k * D * tes;
           if (kdt == DType::f32) core::decode_token(p.keys, rec, reinterpret_cast<float*>(dst));
-          else if (tdt == DType::f32) dequant::record_to_f32(p.keys, rec, reinterpret_cast<float*>(dst), to_bf16);
-          else dequant::record_to_bf16(p.keys, rec, reinterpret_cast<std::uint16_t*>(dst), to_bf16);
+          else if (tdt == DType::f32) dequant::record_to_f32(p.keys, rec, reinterpret_cast<float*>(dst), fp8);
+          else dequant::record_to_bf16(p.keys, rec, reinterpret_cast<std::uint16_t*>(dst), fp8);
         }
       }
       keys.count = n;

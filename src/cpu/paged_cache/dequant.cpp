@@ -23,7 +23,7 @@ void run_portable_f32(const std::uint8_t* codes, std::int64_t n, int k, float* o
   for (std::int64_t i = 0; i < n; ++i) out[i] = table[codes[i]] * scale;
 }
 
-constexpr Candidate<Fp8ToBf16, int> kKernels[] = {
+constexpr Candidate<Fp8Dequant, int> kKernels[] = {
     {core::Isa::avx512, avx512_kernel},
     {core::Isa::avx2, avx2_kernel},
     {core::Isa::portable, portable_kernel},
@@ -40,13 +40,13 @@ bool normal_power_of_two(float scale, int* k) {
   return *k >= 1 - 118 && *k <= 254 - 135;  // exponents 2^-9 .. 2^8 stay inside bf16's normal range
 }
 
-void Fp8ToBf16::run(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) const {
+void Fp8Dequant::run(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out) const {
   int k = 0;
   if (power_of_two && normal_power_of_two(scale, &k)) power_of_two(codes, n, k, out);
   else any_scale(codes, n, scale, out);
 }
 
-void Fp8ToBf16::run_f32(const std::uint8_t* codes, std::int64_t n, float scale, float* out) const {
+void Fp8Dequant::run_f32(const std::uint8_t* codes, std::int64_t n, float scale, float* out) const {
   int k = 0;
   if (power_of_two_f32 && normal_power_of_two(scale, &k)) return power_of_two_f32(codes, n, k, out);
   std::uint16_t bf16[kCacheScaleGroup];
@@ -57,15 +57,15 @@ void Fp8ToBf16::run_f32(const std::uint8_t* codes, std::int64_t n, float scale, 
   }
 }
 
-const Fp8ToBf16& portable_kernel() {
-  static const Fp8ToBf16 kernel{"portable", run_portable, nullptr, run_portable_f32};
+const Fp8Dequant& portable_kernel() {
+  static const Fp8Dequant kernel{"portable", run_portable, nullptr, run_portable_f32};
   return kernel;
 }
 
-const Fp8ToBf16& pick_fp8_to_bf16() { return select_kernel(kKernels, 0); }
+const Fp8Dequant& pick_fp8_dequant() { return select_kernel(kKernels, 0); }
 
 void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, std::uint16_t* out,
-                    const Fp8ToBf16& kernel) {
+                    const Fp8Dequant& kernel) {
   const CacheLayout& l = cache.layout;
   if (l.dtype == CacheDType::bf16) {
     std::memcpy(out, record, 2 * l.dim);
@@ -86,7 +86,7 @@ void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, s
   std::memcpy(out + nq, record + cache.fp8_rope_offset(), 2 * l.rope_dim);  // the RoPE part: bf16 already
 }
 
-void record_to_f32(const core::PagedCache& cache, const std::uint8_t* record, float* out, const Fp8ToBf16& kernel) {
+void record_to_f32(const core::PagedCache& cache, const std::uint8_t* record, float* out, const Fp8Dequant& kernel) {
   // A bf16 record widened is core::decode_token's; an fp32 one never meets a bf16
   // kernel (kernel_dtype is fp32 where any cache is).
   if (cache.layout.dtype != CacheDType::fp8_e4m3) return core::decode_token(cache, record, out);

@@ -22,7 +22,8 @@ namespace dsa::cpu::dequant {
 // by integer work alone (the vector kernels' fast route); otherwise false.
 bool normal_power_of_two(float scale, int* k);
 
-struct Fp8ToBf16 {
+// One ISA's FP8 dequantiser: e4m3 codes times a scale, as bf16 (run) or fp32 (run_f32).
+struct Fp8Dequant {
   const char* name;
   // Any scale (through fp32).
   void (*any_scale)(const std::uint8_t* codes, std::int64_t n, float scale, std::uint16_t* out);
@@ -44,11 +45,11 @@ struct Fp8ToBf16 {
   bool has_f32_route() const { return power_of_two_f32 != nullptr; }
 };
 
-const Fp8ToBf16& portable_kernel();
-const Fp8ToBf16& avx2_kernel();
-const Fp8ToBf16& avx512_kernel();
+const Fp8Dequant& portable_kernel();
+const Fp8Dequant& avx2_kernel();
+const Fp8Dequant& avx512_kernel();
 // The best this CPU runs.
-const Fp8ToBf16& pick_fp8_to_bf16();
+const Fp8Dequant& pick_fp8_dequant();
 
 // The dtype a decode kernel computes in: bf16 for bf16 queries when every cache
 // stores bf16 or FP8 (FP8 values are bf16 values exactly), fp32 otherwise.
@@ -71,9 +72,9 @@ inline bool records_are_rows(const core::PagedCache& cache, DType kernel) {
 
 // A bf16 or FP8 record of `cache` as `dim` bf16 values (fp32 records: rounded).
 void record_to_bf16(const core::PagedCache& cache, const std::uint8_t* record, std::uint16_t* out,
-                    const Fp8ToBf16& kernel);
+                    const Fp8Dequant& kernel);
 // record_to_bf16's values as `dim` fp32 values for bf16 and FP8 records (an fp32
 // record: core::decode_token's, unrounded; no bf16 kernel reads one).
-void record_to_f32(const core::PagedCache& cache, const std::uint8_t* record, float* out, const Fp8ToBf16& kernel);
+void record_to_f32(const core::PagedCache& cache, const std::uint8_t* record, float* out, const Fp8Dequant& kernel);
 
 }  // namespace dsa::cpu::dequant

@@ -101,8 +101,8 @@ void run_power_of_two_f32(const std::uint8_t* codes, std::int64_t n, int k, floa
 
 }  // namespace
 
-const Fp8ToBf16& avx2_kernel() {
-  static const Fp8ToBf16 kernel{"avx2", run_any_scale, run_power_of_two, run_power_of_two_f32};
+const Fp8Dequant& avx2_kernel() {
+  static const Fp8Dequant kernel{"avx2", run_any_scale, run_power_of_two, run_power_of_two_f32};
   return kernel;
 }
 

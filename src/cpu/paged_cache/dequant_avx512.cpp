@@ -78,8 +78,8 @@ void run_any_scale(const std::uint8_t* codes, std::int64_t n, float scale, std::
 
 }  // namespace
 
-const Fp8ToBf16& avx512_kernel() {
-  static const Fp8ToBf16 kernel{"avx512", run_any_scale, run_power_of_two};
+const Fp8Dequant& avx512_kernel() {
+  static const Fp8Dequant kernel{"avx512", run_any_scale, run_power_of_two};
   return kernel;
 }
 

@@ -57,10 +57,10 @@ void cache_gather(const CacheRowsProblem& p) {
     return;
   }
   if (p.dtype == DType::bf16) {
-    const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
+    const dequant::Fp8Dequant& fp8 = dequant::pick_fp8_dequant();
     over_rows(p, [&](std::int64_t r, float*) {
       auto* out = reinterpret_cast<std::uint16_t*>(out_row(r));
-      if (p.slots[r] >= 0) dequant::record_to_bf16(p.cache, p.cache.token(p.slots[r]), out, to_bf16);
+      if (p.slots[r] >= 0) dequant::record_to_bf16(p.cache, p.cache.token(p.slots[r]), out, fp8);
       else std::memset(out, 0, dim * es);
     });
     return;

@@ -158,19 +158,19 @@ struct PieceRecords {
   const SparseAttentionDecodeProblem* p;
   const std::uint8_t* const* records;
   const std::uint8_t* compressed;
-  const dequant::Fp8ToBf16* to_bf16;
+  const dequant::Fp8Dequant* fp8;
 };
 
 void decode_record(const void* context, std::int64_t k, std::uint16_t* out) {
   const auto& piece = *static_cast<const PieceRecords*>(context);
   const core::PagedCache& cache = piece.compressed[k] ? piece.p->cmp : piece.p->kv;
-  dequant::record_to_bf16(cache, piece.records[k], out, *piece.to_bf16);
+  dequant::record_to_bf16(cache, piece.records[k], out, *piece.fp8);
 }
 
 void decode_record_f32(const void* context, std::int64_t k, float* out) {
   const auto& piece = *static_cast<const PieceRecords*>(context);
   const core::PagedCache& cache = piece.compressed[k] ? piece.p->cmp : piece.p->kv;
-  dequant::record_to_f32(cache, piece.records[k], out, *piece.to_bf16);
+  dequant::record_to_f32(cache, piece.records[k], out, *piece.fp8);
 }
 
 struct ThreadScratch {
@@ -199,7 +199,7 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
   const bool dequantising = !in_kernel && (!kv_in_place || !cmp_in_place);  // into a per-thread buffer
   const std::int64_t record_bytes =
       std::max(p.kv.token_bytes, p.has_cmp ? p.cmp.token_bytes : std::int64_t{0});
-  const dequant::Fp8ToBf16& to_bf16 = dequant::pick_fp8_to_bf16();
+  const dequant::Fp8Dequant& fp8 = dequant::pick_fp8_dequant();
   Shape shape{kdt, H, D, 0, dv, p.scale};
   shape.bf16_p = true;
   shape.cache_keys = true;
@@ -306,14 +306,14 @@ void sparse_attention_decode(const SparseAttentionDecodeProblem& p) {
         char* dst = reinterpret_cast<char*>(s.decoded->data()) + k * D * kes;
         const core::PagedCache& cache = compressed ? p.cmp : p.kv;
         if (kdt == DType::f32) core::decode_token(cache, rec, reinterpret_cast<float*>(dst));
-        else dequant::record_to_bf16(cache, rec, reinterpret_cast<std::uint16_t*>(dst), to_bf16);
+        else dequant::record_to_bf16(cache, rec, reinterpret_cast<std::uint16_t*>(dst), fp8);
         s.main[k] = dst;
       }
       const PieceRecords piece_records{&p, s.records.data() + k0, in_kernel ? s.compressed.data() + k0 : nullptr,
-                                       &to_bf16};
-      // Straight to fp32 only where the FP8 kernel has that route (Fp8ToBf16::has_f32_route).
+                                       &fp8};
+      // Straight to fp32 only where the FP8 kernel has that route (Fp8Dequant::has_f32_route).
       const RowDecoder decoder{decode_record, &piece_records, record_bytes,
-                               to_bf16.has_f32_route() ? decode_record_f32 : nullptr};
+                               fp8.has_f32_route() ? decode_record_f32 : nullptr};
       const KeyRows keys{s.main.data(), nullptr, n, in_kernel ? &decoder : nullptr};
       if (direct(task.row)) {
         const std::int64_t row = task.row;
