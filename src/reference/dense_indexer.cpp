@@ -54,43 +54,39 @@ std::int64_t counted_rows(const DenseKlProblem& p) {
   return n;
 }
 
+// fn(row, key) for every causal (query row, key row) pair of the counted rows.
+template <class Fn>
+void for_each_counted_pair(const DenseKlProblem& p, Fn&& fn) {
+  for (const auto& seq : p.plan.seqs)
+    for (std::int64_t i = 0; i < seq.q_len; ++i) {
+      if (!counted_row(p, seq, i)) continue;
+      for (std::int64_t s = 0; s <= seq.position(i); ++s) fn(seq.q_begin + i, seq.k_begin + s);
+    }
+}
+
 }  // namespace
 
 void dense_indexer_kl_loss_fwd(const DenseKlProblem& p) {
   double total = 0.0;
-  for (const auto& seq : p.plan.seqs) {
-    for (std::int64_t i = 0; i < seq.q_len; ++i) {
-      if (!counted_row(p, seq, i)) continue;
-      const std::int64_t row = seq.q_begin + i;
-      for (std::int64_t s = 0; s <= seq.position(i); ++s) {
-        const std::int64_t key = seq.k_begin + s;
-        const double teacher = dense_teacher(p, row, key);
-        if (teacher <= 0.0) continue;  // 0 log 0 = 0; a NaN teacher is added
-        const double log_student =
-            kl::indexer_score(p.index_query, p.index_key, p.weights, row, key, p.index_scale) - p.lse[row];
-        total += teacher * (std::log(teacher) - log_student);
-      }
-    }
-  }
+  for_each_counted_pair(p, [&](std::int64_t row, std::int64_t key) {
+    const double teacher = dense_teacher(p, row, key);
+    if (teacher <= 0.0) return;  // 0 log 0 = 0; a NaN teacher is added
+    const double log_student =
+        kl::indexer_score(p.index_query, p.index_key, p.weights, row, key, p.index_scale) - p.lse[row];
+    total += teacher * (std::log(teacher) - log_student);
+  });
   *p.loss = static_cast<float>(reduction_factor(p.reduction, p.coefficient, counted_rows(p)) * total);
 }
 
 void dense_indexer_kl_loss_bwd(const DenseKlProblem& p) {
   const double factor = p.grad_loss * reduction_factor(p.reduction, p.coefficient, counted_rows(p));
   kl::IndexerGrads grads(p.index_query, p.plan.q_rows, p.key_rows);
-  for (const auto& seq : p.plan.seqs) {
-    for (std::int64_t i = 0; i < seq.q_len; ++i) {
-      if (!counted_row(p, seq, i)) continue;
-      const std::int64_t row = seq.q_begin + i;
-      for (std::int64_t s = 0; s <= seq.position(i); ++s) {
-        const std::int64_t key = seq.k_begin + s;
-        const double student = std::exp(
-            kl::indexer_score(p.index_query, p.index_key, p.weights, row, key, p.index_scale) - p.lse[row]);
-        const double g = factor * (student - dense_teacher(p, row, key));
-        grads.add(p.index_query, p.index_key, p.weights, row, key, g, p.index_scale);
-      }
-    }
-  }
+  for_each_counted_pair(p, [&](std::int64_t row, std::int64_t key) {
+    const double student =
+        std::exp(kl::indexer_score(p.index_query, p.index_key, p.weights, row, key, p.index_scale) - p.lse[row]);
+    const double g = factor * (student - dense_teacher(p, row, key));
+    grads.add(p.index_query, p.index_key, p.weights, row, key, g, p.index_scale);
+  });
   grads.store(p.index_query.dtype, p.weights.dtype, p.d_index_query, p.d_index_key, p.d_weights);
 }
 

@@ -49,6 +49,16 @@ std::vector<Entry> attended(const SparseAttentionProblem& p, const core::Sequenc
   return set;
 }
 
+// fn(row, set) for every query row with a nonempty attended set.
+template <class Fn>
+void for_each_attending_row(const SparseAttentionProblem& p, Fn&& fn) {
+  for (const auto& seq : p.plan.seqs)
+    for (std::int64_t i = 0; i < seq.q_len; ++i) {
+      const std::vector<Entry> set = attended(p, seq, i);
+      if (!set.empty()) fn(seq.q_begin + i, set);
+    }
+}
+
 double key_element(const SparseAttentionProblem& p, const Entry& e, std::int64_t d) {
   if (d < p.dim) {
     return e.compressed ? load_float(p.cmp_kv, p.dtype, e.row * p.cmp_row_stride + d)
@@ -94,33 +104,29 @@ void sparse_attention_fwd(const SparseAttentionProblem& p) {
   // Per-row scratch only when there are rows: without them H and d_v are
   // bounded by no memory (a [0, 2^40, 1] query is legal; found by fuzz_sparse_attention).
   std::vector<double> logits, acc(p.plan.q_rows ? dv : 0);
-  for (const auto& seq : p.plan.seqs)
-    for (std::int64_t i = 0; i < seq.q_len; ++i) {
-      const std::int64_t row = seq.q_begin + i;
-      const std::vector<Entry> set = attended(p, seq, i);
-      if (set.empty()) continue;
-      for (std::int64_t h = 0; h < H; ++h) {
-        logits.clear();
-        double m = -std::numeric_limits<double>::infinity();
-        for (const Entry& e : set) {
-          logits.push_back(logit(p, row, h, e));
-          m = std::max(m, logits.back());
-        }
-        double sum = 0.0;
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (std::size_t k = 0; k < set.size(); ++k) {
-          const double w = std::exp(logits[k] - m);
-          sum += w;
-          for (std::int64_t d = 0; d < dv; ++d) acc[d] += w * key_element(p, set[k], d);
-        }
-        const Normaliser n = normaliser(p, h, m);
-        const double denom = sum * n.scale_m + n.sink_term;
-        for (std::int64_t d = 0; d < dv; ++d)
-          store_float(p.out, p.dtype, (row * H + h) * dv + d, static_cast<float>(acc[d] * n.scale_m / denom));
-        p.softmax_max[row * H + h] = static_cast<float>(m);
-        p.softmax_sum[row * H + h] = static_cast<float>(sum);
+  for_each_attending_row(p, [&](std::int64_t row, const std::vector<Entry>& set) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      logits.clear();
+      double m = -std::numeric_limits<double>::infinity();
+      for (const Entry& e : set) {
+        logits.push_back(logit(p, row, h, e));
+        m = std::max(m, logits.back());
       }
+      double sum = 0.0;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (std::size_t k = 0; k < set.size(); ++k) {
+        const double w = std::exp(logits[k] - m);
+        sum += w;
+        for (std::int64_t d = 0; d < dv; ++d) acc[d] += w * key_element(p, set[k], d);
+      }
+      const Normaliser n = normaliser(p, h, m);
+      const double denom = sum * n.scale_m + n.sink_term;
+      for (std::int64_t d = 0; d < dv; ++d)
+        store_float(p.out, p.dtype, (row * H + h) * dv + d, static_cast<float>(acc[d] * n.scale_m / denom));
+      p.softmax_max[row * H + h] = static_cast<float>(m);
+      p.softmax_sum[row * H + h] = static_cast<float>(sum);
     }
+  });
 }
 
 void sparse_attention_bwd(const SparseAttentionProblem& p) {
@@ -132,37 +138,33 @@ void sparse_attention_bwd(const SparseAttentionProblem& p) {
   std::vector<double> d_sinks(p.d_sinks ? H : 0, 0.0);
   std::vector<double> grad(p.plan.q_rows ? dv : 0);
 
-  for (const auto& seq : p.plan.seqs)
-    for (std::int64_t i = 0; i < seq.q_len; ++i) {
-      const std::int64_t row = seq.q_begin + i;
-      const std::vector<Entry> set = attended(p, seq, i);
-      if (set.empty()) continue;
-      for (std::int64_t h = 0; h < H; ++h) {
-        const double m = p.saved_max[row * H + h], sum = p.saved_sum[row * H + h];
-        if (std::isinf(m) && m < 0) continue;
-        const Normaliser n = normaliser(p, h, m);
-        const double denom = sum * n.scale_m + n.sink_term;
-        // delta = dO . out = sum_j P_j (dO . v_j): the softmax backward's row term.
-        double delta = 0.0;
-        for (std::int64_t d = 0; d < dv; ++d) {
-          grad[d] = load_float(p.grad_out, p.dtype, row * p.go_row_stride + h * p.go_head_stride + d);
-          delta += grad[d] * load_float(p.fwd_out, p.dtype, row * p.o_row_stride + h * p.o_head_stride + d);
-        }
-        for (const Entry& e : set) {
-          const double prob = std::exp(logit(p, row, h, e) - m) * n.scale_m / denom;
-          double dprob = 0.0;
-          for (std::int64_t d = 0; d < dv; ++d) dprob += grad[d] * key_element(p, e, d);
-          const double dlogit = prob * (dprob - delta) * p.scale;
-          double* dk = e.compressed ? &d_cmp[e.row * D] : &d_kv[e.row * Dqk];
-          for (std::int64_t d = 0; d < Dqk; ++d) {
-            d_query[(row * H + h) * Dqk + d] += dlogit * key_element(p, e, d);
-            dk[d] += dlogit * query_element(p, row, h, d);
-          }
-          for (std::int64_t d = 0; d < dv; ++d) dk[d] += prob * grad[d];  // the value contribution
-        }
-        if (p.sinks) d_sinks[h] -= n.sink_term / denom * delta;
+  for_each_attending_row(p, [&](std::int64_t row, const std::vector<Entry>& set) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      const double m = p.saved_max[row * H + h], sum = p.saved_sum[row * H + h];
+      if (std::isinf(m) && m < 0) continue;
+      const Normaliser n = normaliser(p, h, m);
+      const double denom = sum * n.scale_m + n.sink_term;
+      // delta = dO . out = sum_j P_j (dO . v_j): the softmax backward's row term.
+      double delta = 0.0;
+      for (std::int64_t d = 0; d < dv; ++d) {
+        grad[d] = load_float(p.grad_out, p.dtype, row * p.go_row_stride + h * p.go_head_stride + d);
+        delta += grad[d] * load_float(p.fwd_out, p.dtype, row * p.o_row_stride + h * p.o_head_stride + d);
       }
+      for (const Entry& e : set) {
+        const double prob = std::exp(logit(p, row, h, e) - m) * n.scale_m / denom;
+        double dprob = 0.0;
+        for (std::int64_t d = 0; d < dv; ++d) dprob += grad[d] * key_element(p, e, d);
+        const double dlogit = prob * (dprob - delta) * p.scale;
+        double* dk = e.compressed ? &d_cmp[e.row * D] : &d_kv[e.row * Dqk];
+        for (std::int64_t d = 0; d < Dqk; ++d) {
+          d_query[(row * H + h) * Dqk + d] += dlogit * key_element(p, e, d);
+          dk[d] += dlogit * query_element(p, row, h, d);
+        }
+        for (std::int64_t d = 0; d < dv; ++d) dk[d] += prob * grad[d];  // the value contribution
+      }
+      if (p.sinks) d_sinks[h] -= n.sink_term / denom * delta;
     }
+  });
 
   for (std::int64_t r = 0; r < p.plan.q_rows; ++r)
     for (std::int64_t h = 0; h < H; ++h) {

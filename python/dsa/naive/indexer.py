@@ -160,11 +160,22 @@ def _indexer(index_query, index_key, weights, *, topk, scale, cmp_ratio, query_l
     if layout not in ("TND", "BSND"):
         raise ValueError(f"layout: expected 'TND' or 'BSND', got {layout!r}")
     lead = index_query.shape[:-2]
+    rows = _flatten(index_query, index_key, weights, layout)[0].shape[0]
+    indices = torch.full((rows, topk), -1, dtype=torch.int32, device=index_query.device)
+    scores = torch.full((rows, topk), float("-inf"), dtype=compute_dtype, device=index_query.device)
+    for qs, s, visible in _sequence_scores(index_query, index_key, weights, scale=scale, cmp_ratio=cmp_ratio,
+                                           query_lengths=query_lengths, key_lengths=key_lengths, layout=layout,
+                                           dtype=compute_dtype):
+        indices[qs], scores[qs] = _select(s, visible, topk, exact)
+    return indices.reshape(*lead, topk), scores.reshape(*lead, topk)
+
+
+def _sequence_scores(index_query, index_key, weights, *, scale, cmp_ratio, query_lengths, key_lengths, layout,
+                     dtype):
+    """Per sequence with queries: (its query rows as a slice of the flattened rows, their
+    scores [q_len, entries] in `dtype`, each row's visible entry count)."""
     q, k, w, q_rows, k_rows, batch = _flatten(index_query, index_key, weights, layout)
-    q, k, w = q.to(compute_dtype), k.to(compute_dtype), w.to(compute_dtype)
-    rows = q.shape[0]
-    indices = torch.full((rows, topk), -1, dtype=torch.int32, device=q.device)
-    scores = torch.full((rows, topk), float("-inf"), dtype=compute_dtype, device=q.device)
+    q, k, w = q.to(dtype), k.to(dtype), w.to(dtype)
     for seq in sequence_rows(q_rows, k_rows, cmp_ratio=cmp_ratio, query_lengths=query_lengths,
                              key_lengths=key_lengths, layout=layout, batch=batch):
         if seq.q_len == 0:
@@ -172,9 +183,7 @@ def _indexer(index_query, index_key, weights, *, topk, scale, cmp_ratio, query_l
         qs = slice(seq.q_begin, seq.q_begin + seq.q_len)
         s = indexer_scores(q[qs], k[seq.key_begin:seq.key_begin + seq.entries], w[qs], scale=scale,
                            cmp_ratio=cmp_ratio, key_length=seq.key_length)
-        visible = _visible(seq.q_len, seq.key_length, cmp_ratio, s.device)
-        indices[qs], scores[qs] = _select(s, visible, topk, exact)
-    return indices.reshape(*lead, topk), scores.reshape(*lead, topk)
+        yield qs, s, _visible(seq.q_len, seq.key_length, cmp_ratio, s.device)
 
 
 def naive_indexer(index_query: torch.Tensor, index_key: torch.Tensor, weights: torch.Tensor, *,
@@ -208,19 +217,13 @@ def oracle_indexer_full_scores(index_query, index_key, weights, *, scale=1.0, cm
                                dtype=torch.float64):
     """Per flattened query row, its visible scores (1-D tensor in `dtype`); padding rows get
     an empty tensor. What the tests compare a selection against."""
-    q, k, w, q_rows, k_rows, batch = _flatten(index_query, index_key, weights, layout)
-    q, k, w = q.to(dtype), k.to(dtype), w.to(dtype)
-    out = [q.new_empty(0) for _ in range(q.shape[0])]
-    for seq in sequence_rows(q_rows, k_rows, cmp_ratio=cmp_ratio, query_lengths=query_lengths,
-                             key_lengths=key_lengths, layout=layout, batch=batch):
-        if seq.q_len == 0:
-            continue
-        qs = slice(seq.q_begin, seq.q_begin + seq.q_len)
-        s = indexer_scores(q[qs], k[seq.key_begin:seq.key_begin + seq.entries], w[qs], scale=scale,
-                           cmp_ratio=cmp_ratio, key_length=seq.key_length)
-        visible = _visible(seq.q_len, seq.key_length, cmp_ratio, s.device)
-        for i in range(seq.q_len):
-            out[seq.q_begin + i] = s[i, :int(visible[i])]
+    rows = _flatten(index_query, index_key, weights, layout)[0].shape[0]
+    out = [index_query.new_empty(0, dtype=dtype) for _ in range(rows)]
+    for qs, s, visible in _sequence_scores(index_query, index_key, weights, scale=scale, cmp_ratio=cmp_ratio,
+                                           query_lengths=query_lengths, key_lengths=key_lengths, layout=layout,
+                                           dtype=dtype):
+        for i in range(qs.stop - qs.start):
+            out[qs.start + i] = s[i, :int(visible[i])]
     return out
 
 
