@@ -33,20 +33,6 @@ void require_lse(const TensorView& lse, const TensorView& index_query, int lead)
     require_size(lse, "indexer_lse", d, index_query.size(d), "the leading dims of index_query");
 }
 
-SequencePlan plan_for(const TensorView& index_query, const TensorView& index_key, Layout layout,
-                      std::int64_t ratio, const CuSeqlens& cu_q, const CuSeqlens& cu_k, int lead) {
-  LengthSpec spec;
-  spec.layout = layout;
-  spec.batch = lead ? index_query.size(0) : 1;
-  spec.q_extent = index_query.size(lead);
-  const std::int64_t key_rows = index_key.size(lead);
-  if (ratio > 1) spec.c_extent = key_rows; else spec.k_extent = key_rows;
-  spec.ratio = ratio;
-  spec.cu_q = &cu_q;
-  spec.cu_k = &cu_k;
-  return plan_sequences(spec);
-}
-
 // Builds the dense KL problem shared by the forward and the backward.
 DenseKlProblem make_dense_kl(const DenseIndexerKlInputs& in, const DenseIndexerKlParams& params, Backend& backend) {
   const TensorView &index_query = in.index_query, &index_key = in.index_key, &head_weights = in.head_weights,
@@ -90,7 +76,8 @@ DenseKlProblem make_dense_kl(const DenseIndexerKlInputs& in, const DenseIndexerK
     fail_argument("loss_coefficient: expected a finite number, got ", params.loss_coefficient);
 
   DenseKlProblem p;
-  p.plan = plan_for(index_query, index_key, params.layout, 1, params.cu_seqlens_q, params.cu_seqlens_k, lead);
+  p.plan = plan_indexer_sequences(index_query, index_key, params.layout, 1, params.cu_seqlens_q,
+                                  params.cu_seqlens_k, lead);
   p.index_query = detail::head_matrix(index_query, lead, "index_query");
   p.index_key = detail::head_matrix(index_key, lead, "index_key");
   p.weights = weights_matrix(head_weights, lead);
@@ -125,8 +112,8 @@ void dense_indexer_lse(const TensorView& index_query, const TensorView& index_ke
   require_lse(indexer_lse, index_query, lead);
 
   DenseLseProblem p;
-  p.plan = plan_for(index_query, index_key, params.layout, params.cmp_ratio, params.cu_seqlens_q,
-                    params.cu_seqlens_k, lead);
+  p.plan = plan_indexer_sequences(index_query, index_key, params.layout, params.cmp_ratio, params.cu_seqlens_q,
+                                  params.cu_seqlens_k, lead);
   p.index_query = detail::head_matrix(index_query, lead, "index_query");
   p.index_key = detail::head_matrix(index_key, lead, "index_key");
   p.weights = weights_matrix(head_weights, lead);

@@ -30,6 +30,21 @@ void validate_indexer_inputs(const TensorView& index_query, const TensorView& in
   if (!tnd) require_size(index_key, "index_key", 0, index_query.size(0), "B of index_query");
 }
 
+core::SequencePlan plan_indexer_sequences(const TensorView& index_query, const TensorView& index_key, Layout layout,
+                                          std::int64_t ratio, const CuSeqlens& cu_q, const CuSeqlens& cu_k,
+                                          int lead) {
+  core::LengthSpec spec;
+  spec.layout = layout;
+  spec.batch = lead ? index_query.size(0) : 1;
+  spec.q_extent = index_query.size(lead);
+  const std::int64_t key_rows = index_key.size(lead);
+  if (ratio > 1) spec.c_extent = key_rows; else spec.k_extent = key_rows;
+  spec.ratio = ratio;
+  spec.cu_q = &cu_q;
+  spec.cu_k = &cu_k;
+  return core::plan_sequences(spec);
+}
+
 void indexer_topk(const TensorView& index_query, const TensorView& index_key,
                   const TensorView& weights, const IndexerParams& params,
                   const TensorView& indices, const TensorView& scores, Backend backend) {
@@ -60,18 +75,9 @@ void indexer_topk(const TensorView& index_query, const TensorView& index_key,
       require_size(scores, "scores", d, indices.size(d), "the shape of indices");
   }
 
-  LengthSpec spec;
-  spec.layout = params.layout;
-  spec.batch = tnd ? 1 : index_query.size(0);
-  spec.q_extent = index_query.size(lead);
-  const std::int64_t key_rows = index_key.size(lead);
-  if (params.cmp_ratio > 1) spec.c_extent = key_rows; else spec.k_extent = key_rows;
-  spec.ratio = params.cmp_ratio;
-  spec.cu_q = &params.cu_seqlens_q;
-  spec.cu_k = &params.cu_seqlens_k;
-
   IndexerProblem p;
-  p.plan = plan_sequences(spec);
+  p.plan = plan_indexer_sequences(index_query, index_key, params.layout, params.cmp_ratio, params.cu_seqlens_q,
+                                  params.cu_seqlens_k, lead);
   p.query = index_query.data;
   p.dtype = index_query.dtype;
   p.query_row_stride = index_query.stride(lead);

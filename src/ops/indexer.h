@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "core/sequences.h"
+#include "dsa/layout.h"
 #include "dsa/tensor.h"
 
 namespace dsa {
@@ -34,6 +35,12 @@ struct IndexerProblem {
 // and leading dims. `lead` is 0 for TND, 1 for BSND.
 void validate_indexer_inputs(const TensorView& index_query, const TensorView& index_key,
                              const TensorView& weights, const char* weights_name, int lead);
+
+// The sequences of an indexer-scoring op's rows: index_query's rows against
+// index_key's (compressed entries where ratio > 1), from the layout and cu_seqlens.
+core::SequencePlan plan_indexer_sequences(const TensorView& index_query, const TensorView& index_key, Layout layout,
+                                          std::int64_t ratio, const CuSeqlens& cu_q, const CuSeqlens& cu_k,
+                                          int lead);
 
 namespace reference {
 void indexer_topk(const IndexerProblem& problem);

@@ -87,20 +87,6 @@ void validate_indexer_side(const TensorView& indices, const TensorView& index_qu
     fail_argument("loss_coefficient: expected a finite number, got ", params.loss_coefficient);
 }
 
-SequencePlan plan_for(const TensorView& index_query, const TensorView& index_key,
-                      const KlLossParams& params, int lead) {
-  LengthSpec spec;
-  spec.layout = params.layout;
-  spec.batch = lead ? index_query.size(0) : 1;
-  spec.q_extent = index_query.size(lead);
-  const std::int64_t key_rows = index_key.size(lead);
-  if (params.cmp_ratio > 1) spec.c_extent = key_rows; else spec.k_extent = key_rows;
-  spec.ratio = params.cmp_ratio;
-  spec.cu_q = &params.cu_seqlens_q;
-  spec.cu_k = &params.cu_seqlens_k;
-  return plan_sequences(spec);
-}
-
 // score_grad: [rows, topk] fp32, the shape of indices (a forward output, the backward's input).
 void require_score_grad(const TensorView& score_grad, const TensorView& indices, int lead) {
   require_cpu(score_grad, "score_grad");
@@ -115,7 +101,8 @@ void require_score_grad(const TensorView& score_grad, const TensorView& indices,
 void set_indexer_side(SparseKlIndexerSide& p, const TensorView& indices, const TensorView& index_query,
                       const TensorView& index_key, const TensorView& weights, const KlLossParams& params,
                       int lead) {
-  p.plan = plan_for(index_query, index_key, params, lead);
+  p.plan = plan_indexer_sequences(index_query, index_key, params.layout, params.cmp_ratio, params.cu_seqlens_q,
+                                  params.cu_seqlens_k, lead);
   p.indices = indices.ptr<std::int32_t>();
   p.index_row_stride = indices.stride(lead);
   p.topk = indices.size(-1);
