@@ -150,7 +150,8 @@ def main_v4(args) -> int:
     patched = patch(copy.deepcopy(base), strict=True)
     cache_dtypes = ("fp32", "bf16", "fp8") if args.dtype == "fp32" else ("bf16", "fp8")
     rows = []
-    print("| context | unpatched (transformers' V4 cache) | " + " | ".join(f"DsaCache {dt}" for dt in cache_dtypes) + " |")
+    print("| context | unpatched (transformers' V4 cache) | "
+          + " | ".join(f"DsaCache {dt}" for dt in cache_dtypes) + " |")
     print("|---" * (2 + len(cache_dtypes)) + "|")
     for ctx in contexts:
         ids = torch.randint(1, 1024, (1, ctx), generator=torch.Generator().manual_seed(ctx))
@@ -161,12 +162,12 @@ def main_v4(args) -> int:
             r[f"dsa_cache_{dt}"] = step_ms(patched, ids, DsaCache(patched.config, cache_dtype=dt), args.steps)
         rows.append(r)
         cell = lambda v: "-" if v is None else f"{v:.1f} ms"  # noqa: E731
-        print(f"| {ctx} | {cell(r['unpatched'])} | " + " | ".join(cell(r[f"dsa_cache_{dt}"]) for dt in cache_dtypes)
-              + " |", flush=True)
+        cells = " | ".join(cell(r[f"dsa_cache_{dt}"]) for dt in cache_dtypes)
+        print(f"| {ctx} | {cell(r['unpatched'])} | {cells} |", flush=True)
     assert fallback_counts(patched) == {}, fallback_counts(patched)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"arch": "v4", "dtype": args.dtype, "threads": torch.get_num_threads(), "rows": rows},
-                                          indent=1))
+    Path(args.json).write_text(json.dumps({"arch": "v4", "dtype": args.dtype, "threads": torch.get_num_threads(),
+                                           "rows": rows}, indent=1))
     return 0
 
 

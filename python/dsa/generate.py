@@ -8,9 +8,10 @@ peak memory is its own), within ``--timeout`` seconds: ``unpatched`` (transforme
 own cache), then ``dsa`` with a cache in the model's dtype and ``dsa-fp8`` (plus
 ``dsa-bf16`` for an fp32 model). The model's dtype defaults to ``auto``: bf16 where
 torch's bf16 matmul is native on this CPU, fp32 where torch emulates it (AVX2-only CPUs,
-where a bf16 model's prefill ran ~6x slower than the same model in fp32). Each reports prefill tokens/s, decode ms per token and
-tokens/s, KV-cache bytes per token, peak RSS and whether its tokens agree with the
-unpatched model's. A table on stdout, ``build/generate.json`` and ``build/generate.png``.
+where a bf16 model's prefill ran ~6x slower than the same model in fp32). Each reports
+prefill tokens/s, decode ms per token and tokens/s, KV-cache bytes per token, peak RSS
+and whether its tokens agree with the unpatched model's. A table on stdout,
+``build/generate.json`` and ``build/generate.png``.
 """
 from __future__ import annotations
 
@@ -252,7 +253,8 @@ def main(argv=None) -> int:
     import platform
     import torch
     meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "arch": args.model or args.arch, "dtype": args.dtype, "dtype_reason": why,
+            "threads": torch.get_num_threads(), "arch": args.model or args.arch, "dtype": args.dtype,
+            "dtype_reason": why,
             "batch": args.batch, "new_tokens": args.new_tokens}
     Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, args.plot)
