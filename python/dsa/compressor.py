@@ -7,7 +7,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from . import _C, _buffers
-from ._common import check_backend, check_int, check_layout, check_tensors, num_threads, plain_eager
+from ._common import check_backend, check_int, check_layout, check_tensors, named_for_profiler, num_threads, plain_eager
 from .lengths import (Lengths, as_length_tensor, ends_from_lengths, lengths_from_cu_seqlens,
                       to_cu_seqlens)
 
@@ -112,19 +112,22 @@ def _backward(ctx, grad, _grad_stats):
 _compressor_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+_eager_backward_kernels = named_for_profiler("dsa::compressor_backward", _backward_kernels)
+
+
 class _EagerCompressor(torch.autograd.Function):
     """The same forward, autograd context and backward as the custom ops, for
     plain eager calls (`plain_eager`): it skips torch.library's Python
     dispatch, which costs two to three times the kernels' own call overhead
     (one thread: ~0.4 ms of 7 ms per HCA forward + backward at S = 16384, the
     interpreter running cold after the kernels stream the caches out)."""
-    forward = staticmethod(_forward_kernels)
+    forward = staticmethod(named_for_profiler("dsa::compressor", _forward_kernels))
     setup_context = staticmethod(_setup_context)
 
     @staticmethod
     @once_differentiable  # as the custom op: no double backward
     def backward(ctx, grad, _grad_stats):
-        return _gradients(ctx, grad, _backward_kernels)
+        return _gradients(ctx, grad, _eager_backward_kernels)
 
 
 # Slots per entry from which the backward starts from saved softmax statistics

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 
 from . import _C
-from ._common import check_backend, check_int, check_tensors, handoff, num_threads, plain_eager
+from ._common import (check_backend, check_int, check_tensors, handoff, named_for_profiler, num_threads,
+                      plain_eager)
 from .paged_cache import check_cache_dtype
 
 
@@ -38,6 +39,7 @@ def _indexer_decode_kernel(index_query: torch.Tensor, weights: torch.Tensor, key
 
 
 _indexer_decode_op = torch.library.custom_op("dsa::indexer_decode", _indexer_decode_kernel, mutates_args=())
+_indexer_decode_eager = named_for_profiler("dsa::indexer_decode", _indexer_decode_kernel)
 
 
 @_indexer_decode_op.register_fake
@@ -58,7 +60,7 @@ def dsa_indexer_decode(index_query: torch.Tensor, weights: torch.Tensor, key_cac
                        context_lens=context_lens))
     check_cache_dtype(cache_dtype)
     check_backend(backend)
-    run = _indexer_decode_kernel if _eager(index_query, weights, key_cache, block_table, context_lens) \
+    run = _indexer_decode_eager if _eager(index_query, weights, key_cache, block_table, context_lens) \
         else _indexer_decode_op
     return run(index_query, weights, key_cache, block_table, context_lens, check_int(topk, "topk", 1), float(scale),
                check_int(cmp_ratio, "cmp_ratio", 1), cache_dtype, backend)
@@ -83,6 +85,7 @@ def _sparse_attention_decode_kernel(query: torch.Tensor, kv_cache: torch.Tensor,
 
 _sparse_attention_decode_op = torch.library.custom_op("dsa::sparse_attention_decode",
                                                       _sparse_attention_decode_kernel, mutates_args=())
+_sparse_attention_decode_eager = named_for_profiler("dsa::sparse_attention_decode", _sparse_attention_decode_kernel)
 
 
 @_sparse_attention_decode_op.register_fake
@@ -117,7 +120,7 @@ def dsa_sparse_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor, blo
     check_cache_dtype(cache_dtype)
     cmp_cache_dtype = check_cache_dtype(cmp_cache_dtype or cache_dtype)
     check_backend(backend)
-    run = (_sparse_attention_decode_kernel
+    run = (_sparse_attention_decode_eager
            if _eager(query, kv_cache, block_table, context_lens, indices, topk_lens, cmp_cache, cmp_block_table,
                      cmp_indices, sinks)
            else _sparse_attention_decode_op)
@@ -140,6 +143,7 @@ def _compressor_append_kernel(kv: torch.Tensor, gate: torch.Tensor, position_bia
 
 _compressor_append_op = torch.library.custom_op("dsa::compressor_append", _compressor_append_kernel,
                                                 mutates_args=("state_kv", "state_gate"))
+_compressor_append_eager = named_for_profiler("dsa::compressor_append", _compressor_append_kernel)
 
 
 @_compressor_append_op.register_fake
@@ -183,7 +187,7 @@ def dsa_compressor_append(kv: torch.Tensor, gate: torch.Tensor, position_bias: t
     overlap = ratio == 4 if overlap is None else bool(overlap)
     # A decode step's call is tens of microseconds of work: eager calls skip
     # torch.library's dispatch (measured ~50 us a call, Zen 4), as dsa_compressor's do.
-    run = (_compressor_append_kernel if plain_eager(kv, gate, position_bias, state_kv, state_gate, lengths, new_lens)
+    run = (_compressor_append_eager if plain_eager(kv, gate, position_bias, state_kv, state_gate, lengths, new_lens)
            else _compressor_append_op)
     return run(kv.detach(), gate.detach(), position_bias.detach(), state_kv, state_gate, lengths,
                                  new_lens, ratio, overlap, backend)

@@ -16,7 +16,7 @@ import sys
 import torch
 
 from . import _C
-from ._common import check_backend, check_int, check_tensors, handoff, num_threads, plain_eager
+from ._common import check_backend, check_int, check_tensors, handoff, named_for_profiler, num_threads, plain_eager
 
 CACHE_DTYPES = ("fp32", "bf16", "fp8")
 DEFAULT_BLOCK_SIZE = 64
@@ -91,6 +91,7 @@ def _cache_write_kernel(cache: torch.Tensor, block_table: torch.Tensor, position
 
 
 _cache_write_op = torch.library.custom_op("dsa::cache_write", _cache_write_kernel, mutates_args=("cache",))
+_cache_write_eager = named_for_profiler("dsa::cache_write", _cache_write_kernel)
 
 
 @_cache_write_op.register_fake
@@ -124,7 +125,7 @@ def dsa_cache_write(cache: torch.Tensor, block_table: torch.Tensor, positions: t
     check_backend(backend)
     # A decode step writes one row per layer and stream: eager calls skip
     # torch.library's dispatch (~35 us of a ~10 us write, Zen 4), as the decode ops do.
-    run = _cache_write_kernel if plain_eager(cache, block_table, positions, values) else _cache_write_op
+    run = _cache_write_eager if plain_eager(cache, block_table, positions, values) else _cache_write_op
     run(cache, block_table, positions, values.detach(), check_int(rope_dim, "rope_dim", 0), dtype, bool(ring), backend)
 
 

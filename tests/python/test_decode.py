@@ -317,3 +317,16 @@ def test_model_parameters_take_the_eager_path():
         assert _eager(p, t)
     with torch.device("meta"):
         assert not plain_eager(torch.nn.Parameter(torch.zeros(3)))
+
+
+def test_eager_calls_are_named_in_a_profile():
+    """An eager call (no torch.library dispatch) is still the op's named range in a
+    torch.profiler trace, as a custom-op call is: dsa-train's per-op time reads them."""
+    from torch.profiler import profile
+    from dsa.decode import dsa_compressor_append, new_compressor_state
+    kv, gate, bias = torch.randn(1, 1, 8), torch.randn(1, 1, 8), torch.nn.Parameter(torch.randn(4, 8))
+    state = new_compressor_state(1, 4, 8, overlap=True)
+    with torch.no_grad(), profile() as prof:
+        dsa_compressor_append(kv, gate, bias, *state, torch.tensor([3]), ratio=4)
+    names = [e.name for e in prof.events()]
+    assert "dsa::compressor_append" in names, names
