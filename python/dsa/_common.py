@@ -81,6 +81,10 @@ def num_threads() -> int:
     return torch.get_num_threads()
 
 
+# The tensor types an eager call takes as they are (plain_eager).
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def plain_eager(*tensors) -> bool:
     """Whether an op call may bypass its torch.library custom op and run as a plain
     torch.autograd.Function: eager (not traced by torch.compile / export), no
@@ -95,9 +99,6 @@ def plain_eager(*tensors) -> bool:
             or torch._C._len_torch_function_stack() or torch._C._are_functorch_transforms_active()):
         return False
     return all(t is None or (type(t) in _PLAIN and t.is_cpu) for t in tensors)
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def named_for_profiler(name: str, kernel):

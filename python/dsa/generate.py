@@ -41,15 +41,17 @@ def _dtype_or_auto(text: str) -> str:
                                          f"got {text!r}") from None
 
 
-def resolve_dtype(dtype: str) -> tuple[str, str]:
+def resolve_dtype(dtype: str, probe: dict | None = None) -> tuple[str, str]:
     """(the model dtype, why) for --dtype: auto is bf16 where torch's bf16 matmul is native
-    here and fp32 where torch emulates it (measured: bf16 against fp32 GEMM FLOP/s on one
-    thread, under a second). On an AVX2-only CPU the emulation runs at ~1 GFLOP/s: the
-    small V3.2's 1024-token prefill took 3.5 s in bf16 and 0.56 s in fp32 (Zen 1 class EPYC)."""
+    here and fp32 where torch emulates it, by ``probe`` (``probe_bf16``'s result; measured
+    here when None: bf16 against fp32 GEMM FLOP/s on one thread, under a second). On an
+    AVX2-only CPU the emulation runs at ~1 GFLOP/s: the small V3.2's 1024-token prefill
+    took 3.5 s in bf16 and 0.56 s in fp32 (Zen 1 class EPYC)."""
     if dtype != "auto":
         return dtype, "--dtype"
-    from .bench.machine import probe_bf16
-    probe = probe_bf16(budget_s=0.5)
+    if probe is None:
+        from .bench.machine import probe_bf16
+        probe = probe_bf16(budget_s=0.5)
     rates = f"bf16 {probe['bf16_flops'] / 1e9:.3g} / fp32 {probe['fp32_flops'] / 1e9:.3g} GFLOP/s, one thread"
     if probe["native"]:
         return "bf16", f"auto: torch's bf16 matmul is native here ({rates})"

@@ -73,11 +73,14 @@ def test_auto_dtype_follows_the_measured_bf16_rate():
     """--dtype auto (the default) picks bf16 only where torch's bf16 matmul runs at least
     half the fp32 rate on this CPU; an explicit dtype is taken as given; `auto` is in the
     error of a bad --dtype."""
-    from dsa.bench.machine import BF16_NATIVE_MIN_RATIO
+    from dsa.bench.machine import BF16_NATIVE_MIN_RATIO, probe_bf16
     from dsa.generate import resolve_dtype
-    dtype, why = resolve_dtype("auto")
-    bf16, fp32 = (float(x) for x in why.split("(bf16 ")[1].split(" GFLOP/s")[0].split(" / fp32 "))
-    assert dtype == ("bf16" if bf16 >= BF16_NATIVE_MIN_RATIO * fp32 else "fp32"), why
+    probe = probe_bf16(budget_s=0.5)
+    dtype, why = resolve_dtype("auto", probe)
+    native = probe["bf16_flops"] >= BF16_NATIVE_MIN_RATIO * probe["fp32_flops"]
+    assert dtype == ("bf16" if native else "fp32"), why
+    assert ("native" if native else "emulated") in why
+    assert resolve_dtype("auto")[0] in ("bf16", "fp32")  # measures for itself
     assert resolve_dtype("bf16") == ("bf16", "--dtype") and resolve_dtype("fp32") == ("fp32", "--dtype")
 
 

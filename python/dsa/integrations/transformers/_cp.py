@@ -28,6 +28,8 @@ call that mix tokens across the sequence are handled here:
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from . import _metrics
@@ -238,8 +240,6 @@ def _shift_over_stream(shard, labels, ignore_index):
     """``labels`` (this rank's runs, in local order) shifted by one row of the global
     stream. Row ``e`` after a run ``[a, e)`` starts some rank's run, so each rank sends
     the first label of its runs (one or two values), not its whole run."""
-    import itertools
-
     from dsa.cp.comm import all_gather_rows
     runs = [shard.runs_of(q) for q in range(shard.world_size)]
     ends = list(itertools.accumulate(e - a for a, e in shard.runs))  # local end of each run
