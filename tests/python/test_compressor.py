@@ -26,7 +26,8 @@ def make_inputs(shape, channels, ratio, dtype, seed=0, bias_scale=1.0):
 def run_with_grads(fn, kv, gate, bias, grad_seed=1):
     kv, gate, bias = (t.detach().clone().requires_grad_(True) for t in (kv, gate, bias))
     out = fn(kv, gate, bias)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
+    # Drawn in the inputs' dtype, so the float64 oracle sees the op's upstream gradient.
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(kv.dtype).to(out.dtype)
     if out.requires_grad:  # the oracle's output over no entries is a constant: zero gradients
         out.backward(grad_out)
     grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (kv, gate, bias)]

@@ -77,7 +77,10 @@ def run(fn, inputs, kw, grad_seed=1, dtype_of=None, unreached_grad_is_zero=False
     args = dict(kw)
     query, kv = leaves.pop("query"), leaves.pop("kv")
     out, mx, sm = fn(query, kv, **leaves, **args)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.dtype)
+    # The upstream gradient is drawn in the inputs' dtype, so the float64 oracle sees
+    # the same values as the op: rounding it only on the op's side was an error the
+    # op did not make (it set d_sinks off by the rounding of dO).
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(query.dtype).to(out.dtype)
     (out * g).sum().backward()
     def grad(t):
         return torch.zeros_like(t) if t.grad is None and unreached_grad_is_zero else t.grad
