@@ -23,11 +23,13 @@ def make_inputs(shape, channels, ratio, dtype, seed=0, bias_scale=1.0):
     return kv, gate, bias
 
 
-def run_with_grads(fn, kv, gate, bias, grad_seed=1):
+def run_with_grads(fn, kv, gate, bias, grad_seed=1, grad_dtype=None):
+    """grad_dtype: the dtype the upstream gradient is drawn in (default kv's); the
+    float64 oracle passes the op's, so it sees the same upstream values as the op."""
+    grad_dtype = grad_dtype or kv.dtype
     kv, gate, bias = (t.detach().clone().requires_grad_(True) for t in (kv, gate, bias))
     out = fn(kv, gate, bias)
-    # Drawn in the inputs' dtype, so the float64 oracle sees the op's upstream gradient.
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(kv.dtype).to(out.dtype)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(grad_dtype).to(out.dtype)
     if out.requires_grad:  # the oracle's output over no entries is a constant: zero gradients
         out.backward(grad_out)
     grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (kv, gate, bias)]
@@ -36,14 +38,14 @@ def run_with_grads(fn, kv, gate, bias, grad_seed=1):
 
 def assert_rule(fused, naive_same, oracle, dtype, what):
     """docs/testing.md: max|fused - oracle64| <= 2 max|naive_same - oracle64| + 1e-5;
-    fp32: relative error <= 1e-4. Non-finite values must sit in the same places."""
+    fp32: relative error <= 1e-4 (+ 1e-6). Non-finite values must sit in the same places."""
     fused, naive_same, oracle = fused.double(), naive_same.double(), oracle.double()
     assert torch.equal(torch.isfinite(fused), torch.isfinite(oracle)), what
     finite = torch.isfinite(oracle)
     err = (fused - oracle)[finite].abs().max().item() if finite.any() else 0.0
     if dtype == torch.float32:
         scale = oracle[finite].abs().max().item() if finite.any() else 0.0
-        assert err <= 1e-4 * max(scale, 1e-3), f"{what}: error {err} vs scale {scale}"
+        assert err <= 1e-4 * scale + 1e-6, f"{what}: error {err} vs scale {scale}"
     else:
         bound = 2 * ((naive_same - oracle)[finite].abs().max().item() if finite.any() else 0.0) + 1e-5
         assert err <= bound, f"{what}: error {err} > bound {bound}"
@@ -54,7 +56,7 @@ def check_against_oracle(kv, gate, bias, *, ratio, overlap, lengths, layout, bac
     fused = run_with_grads(lambda k, g, b: dsa_compressor(k, g, b, backend=backend, **kwargs)[0], kv, gate, bias)
     naive = run_with_grads(lambda k, g, b: naive_compressor(k, g, b, **kwargs), kv, gate, bias)
     oracle = run_with_grads(lambda k, g, b: naive_compressor(k, g, b, **kwargs),
-                            kv.double(), gate.double(), bias.double())
+                            kv.double(), gate.double(), bias.double(), grad_dtype=kv.dtype)
     for name, f, n, o in zip(["compressed", "grad_kv", "grad_gate", "grad_position_bias"], fused, naive, oracle):
         assert f.dtype == (torch.float32 if name == "grad_position_bias" else kv.dtype)
         assert f.shape == o.shape, name

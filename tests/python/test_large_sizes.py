@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import dsa
-from dsa.naive import naive_sparse_attention, oracle_sparse_attention
+from dsa.naive import naive_sparse_attention
 
 import test_sparse_attention
 
@@ -53,7 +53,7 @@ def problem():
 def _tail_reference(query, kv_tail, kw):
     """Oracle (fp64) and naive (same dtype) results on the tail problem."""
     inputs = dict(query=query, kv=kv_tail)
-    oracle = test_sparse_attention.run(oracle_sparse_attention, inputs, kw, unreached_grad_is_zero=True)
+    oracle = test_sparse_attention.run_oracle(inputs, kw)
     naive = test_sparse_attention.run(naive_sparse_attention, inputs, kw, unreached_grad_is_zero=True)
     return oracle, naive
 

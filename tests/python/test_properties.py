@@ -254,9 +254,11 @@ ATTENTION_MUTATIONS = [
     ("kv", lambda i, k: (dict(i, kv=i["kv"][:, :-1]), k)),
     ("kv", lambda i, k: (dict(i, kv=i["kv"].double()), k)),
     ("indices", lambda i, k: (i, dict(k, indices=k["indices"].long()))),
-    ("indices", lambda i, k: (i, dict(k, indices=k["indices"][:-1]))),
+    # One row more and a rank less: taking a row away, or the first row, changes
+    # nothing or fails in the test itself when the call has no tokens.
+    ("indices", lambda i, k: (i, dict(k, indices=torch.cat([k["indices"], k["indices"].new_zeros(1, 3)])))),
     ("indices", lambda i, k: (i, dict(k, indices=k["indices"][:, :0]))),
-    ("query", lambda i, k: (dict(i, query=i["query"][0]), k)),
+    ("query", lambda i, k: (dict(i, query=i["query"].flatten(-2)), k)),
     ("scale", lambda i, k: (i, dict(k, scale=math.inf))),
     ("window", lambda i, k: (i, dict(k, window=3))),
     ("d_v", lambda i, k: (i, dict(k, d_v=i["query"].shape[-1] + 1))),
@@ -352,7 +354,8 @@ COMPRESSOR_MUTATIONS = [
     ("ratio", lambda kv, g, b, a: (kv, g, b, dict(a, ratio=0))),
     ("position_bias", lambda kv, g, b, a: (kv, g, b[:-1], a)),
     ("position_bias", lambda kv, g, b, a: (kv, g, b.double(), a)),
-    ("gate", lambda kv, g, b, a: (kv, g[:-1], b, a)),
+    # One row more (one fewer would be no change at all when kv is empty).
+    ("gate", lambda kv, g, b, a: (kv, torch.cat([g, g.new_zeros(1, g.shape[1])]), b, a)),
     ("gate", lambda kv, g, b, a: (kv, g.double(), b, a)),
     ("query_lengths", lambda kv, g, b, a: (kv, g, b, dict(a, query_lengths=a["query_lengths"][:-1] + [kv.shape[0] + 1]))),
     ("kv", lambda kv, g, b, a: (kv[:, :-1], g[:, :-1], b[:, :-1], dict(a, overlap=True))),

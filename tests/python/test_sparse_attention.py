@@ -65,22 +65,18 @@ def make_case(mode, dtype, layout="TND", seed=0, heads=3, dim=40, d_v=None, rope
 DIFFERENTIABLE = ("query", "kv", "query_rope", "key_rope", "cmp_kv", "sinks")
 
 
-def run(fn, inputs, kw, grad_seed=1, dtype_of=None, unreached_grad_is_zero=False):
+def run(fn, inputs, kw, grad_seed=1, unreached_grad_is_zero=False, grad_dtype=None):
     """Forward + backward; returns {name: tensor} for outputs, stats and every gradient.
     With unreached_grad_is_zero (for the oracles: autograd leaves .grad None on an
     input the output never reached, e.g. a cmp_kv with no entries or T = 0) such a
-    gradient is zeros; the fused op must return it."""
+    gradient is zeros; the fused op must return it. The upstream gradient is drawn
+    in grad_dtype (default: the query's dtype)."""
     leaves = {k: v.detach().clone().requires_grad_(k in DIFFERENTIABLE) for k, v in inputs.items()}
-    if dtype_of is not None:
-        leaves = {k: (v.detach().to(dtype_of) if v.is_floating_point() else v).requires_grad_(k in DIFFERENTIABLE)
-                  for k, v in leaves.items()}
     args = dict(kw)
     query, kv = leaves.pop("query"), leaves.pop("kv")
     out, mx, sm = fn(query, kv, **leaves, **args)
-    # The upstream gradient is drawn in the inputs' dtype, so the float64 oracle sees
-    # the same values as the op: rounding it only on the op's side was an error the
-    # op did not make (it set d_sinks off by the rounding of dO).
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(query.dtype).to(out.dtype)
+    grad_dtype = grad_dtype or query.dtype
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(grad_dtype).to(out.dtype)
     (out * g).sum().backward()
     def grad(t):
         return torch.zeros_like(t) if t.grad is None and unreached_grad_is_zero else t.grad
@@ -92,19 +88,47 @@ def run(fn, inputs, kw, grad_seed=1, dtype_of=None, unreached_grad_is_zero=False
     return res
 
 
+def run_oracle(inputs, kw):
+    """run() on the float64 oracle. Its leaves are float64 copies of the inputs, so its
+    gradients are not rounded back to the inputs' dtype (a bf16 leaf would round them:
+    an fp16 d_kv that sat on a rounding tie once failed the rule by one ulp of the
+    oracle's own rounding), and its upstream gradient is drawn in the inputs' dtype,
+    so it sees the values the op sees (unrounded digits once set a bf16 d_sinks off
+    by exactly the rounding of dO)."""
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    return run(oracle_sparse_attention, wide, kw, unreached_grad_is_zero=True, grad_dtype=inputs["query"].dtype)
+
+
+def sinks_grad_on_returned_out(oracle, out, sinks, grad_dtype, grad_seed=1):
+    """docs/ops.md 4.2 defines the sink's gradient on the returned output,
+    -sum_t p_sink(t, h) * (dO[t, h] . out[t, h]), as every flash-style backward takes
+    its row term from it; in bf16 / fp16 that output is rounded. This is the oracle's
+    d_sinks moved onto the op's own `out`, with p_sink and dO exact: the target left
+    for the op's arithmetic once the rounding the contract asks for is in."""
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(grad_dtype).double()
+    heads = sinks.shape[0]
+    sink = sinks.double()
+    lse = torch.logaddexp(oracle["softmax_max"] + oracle["softmax_sum"].log(), sink)
+    p_sink = torch.where(torch.isneginf(sink), torch.zeros_like(lse), torch.exp(sink - lse))
+    moved = (g * (out.double() - oracle["out"])).sum(-1)
+    return oracle["d_sinks"] - (p_sink * moved).reshape(-1, heads).sum(0)
+
+
 def fused(backend):
     return lambda q, kv, **kw: dsa.dsa_sparse_attention(q, kv, backend=backend, **kw)
 
 
 def check_against_oracle(inputs, kw, backends=("cpu", "reference")):
     dtype = inputs["query"].dtype
-    oracle = run(oracle_sparse_attention, inputs, kw, unreached_grad_is_zero=True)
+    oracle = run_oracle(inputs, kw)
     naive = run(naive_sparse_attention, inputs, kw, unreached_grad_is_zero=True)
     for backend in backends:
         got = run(fused(backend), inputs, kw)
         assert got.keys() == oracle.keys()
         for name, want in oracle.items():
             x = got[name]
+            if name == "d_sinks":
+                want = sinks_grad_on_returned_out(oracle, got["out"], inputs["sinks"], dtype)
             assert x is not None, (backend, name)
             assert x.shape == want.shape, (backend, name)
             assert x.dtype == (torch.float32 if name.startswith("softmax") or name == "d_sinks" else dtype), name
