@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import _tolerance
 import dsa
 from _indices import fold_into_sequences
 from dsa.naive import naive_sparse_attention, oracle_sparse_attention
@@ -139,12 +140,9 @@ def check_against_oracle(inputs, kw, backends=("cpu", "reference")):
             assert not torch.isnan(x).any(), (backend, name)
             fin = torch.isfinite(w)
             err = (x - w)[fin].abs().max().item() if fin.any() else 0.0
-            if dtype == torch.float32:
-                scale = w[fin].abs().max().item() if fin.any() else 0.0
-                assert err <= 1e-4 * scale + 1e-6, (backend, name, err, scale)
-            else:
-                ref_err = (n - w)[fin].abs().max().item() if fin.any() else 0.0
-                assert err <= 2 * ref_err + 1e-5, (backend, name, err, ref_err)
+            scale = w[fin].abs().max().item() if fin.any() else 0.0
+            ref_err = (n - w)[fin].abs().max().item() if fin.any() else 0.0
+            assert err <= _tolerance.bound(dtype == torch.float32, scale, ref_err), (backend, name, err, scale, ref_err)
     return oracle
 
 
