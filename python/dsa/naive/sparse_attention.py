@@ -35,7 +35,7 @@ def _shared(t: Optional[torch.Tensor], qdim: int) -> Optional[torch.Tensor]:
     return t
 
 
-def _one_sequence(q, qr, k, kr, ck, idx, cidx, *, scale, d_v, window, cmp_ratio, sinks):
+def _one_sequence(q, qr, k, kr, ck, idx, cidx, *, scale, d_v, window, cmp_ratio, sinks, differentiable_stats):
     """Attention of one sequence: q [Lq, H, D], k [Lk, D], ck [Lk // m, D] or None."""
     lq, heads = q.shape[0], q.shape[1]
     lk = k.shape[0]
@@ -109,8 +109,12 @@ def _one_sequence(q, qr, k, kr, ck, idx, cidx, *, scale, d_v, window, cmp_ratio,
         start += n
         o = torch.einsum("qhk,qkd->qhd", part, v) if kind == "gathered" else torch.einsum("qhk,kd->qhd", part, v)
         out = o if out is None else out + o
-    with torch.no_grad():
-        stat_sum = torch.where(torch.isfinite(row_max)[..., None], torch.exp(logit - row_max[..., None]),
+    with torch.set_grad_enabled(differentiable_stats and torch.is_grad_enabled()):
+        # A constant shift (as the returned max is), and 0 on empty rows: no NaN anywhere
+        # autograd could carry it.
+        has_keys = torch.isfinite(row_max)
+        stat_shift = torch.where(has_keys, row_max, torch.zeros_like(row_max)).detach()
+        stat_sum = torch.where(has_keys[..., None], torch.exp(logit - stat_shift[..., None]),
                                torch.zeros_like(logit)).sum(dim=-1)
     return out, row_max.detach(), stat_sum
 
@@ -118,8 +122,10 @@ def _one_sequence(q, qr, k, kr, ck, idx, cidx, *, scale, d_v, window, cmp_ratio,
 def naive_sparse_attention(query, kv, indices=None, *, scale, d_v=None, window=None, cmp_kv=None,
                            cmp_indices=None, cmp_ratio=1, sinks=None, query_rope=None,
                            key_rope=None, query_lengths: Lengths = None, key_lengths: Lengths = None,
-                           layout="TND"):
-    """dsa_sparse_attention in plain torch ops, in the inputs' dtype (autograd backward)."""
+                           layout="TND", differentiable_stats=False):
+    """dsa_sparse_attention in plain torch ops, in the inputs' dtype (autograd backward).
+    differentiable_stats: softmax_sum carries autograd (the max is a constant shift), so
+    a test can differentiate the log-sum-exp; off, the peer builds no graph for it."""
     qdim = query.dim()
     kv = _shared(kv, qdim)
     key_rope = _shared(key_rope, qdim)
@@ -130,7 +136,7 @@ def naive_sparse_attention(query, kv, indices=None, *, scale, d_v=None, window=N
         cmp_indices = cmp_indices.squeeze(-2)
     d_v = d_v or kv.shape[-1]
     m = cmp_ratio
-    kw = dict(scale=scale, d_v=d_v, window=window, cmp_ratio=m, sinks=sinks)
+    kw = dict(scale=scale, d_v=d_v, window=window, cmp_ratio=m, sinks=sinks, differentiable_stats=differentiable_stats)
     outs, maxes, sums = [], [], []
     if layout == "TND":
         q_ends = _as_list(query_lengths) or [query.shape[0]]
