@@ -97,95 +97,143 @@ def test_indexer_decode_splits_one_long_request_and_threads_agree():
     assert torch.equal(one[0], want)
 
 
-def oracle_attention(q, keys, d_v, scale, sinks=None):
-    """float64: q [H, D], keys [n, D] -> out [H, d_v], lse [H]."""
-    q, keys = q.double(), keys.double()
+def oracle_attention(q, keys, d_v, scale, sinks=None, dtype=torch.float64):
+    """q [H, D], keys [n, D] -> out [H, d_v], lse [H], computed in `dtype` the way plain
+    torch does: float64 is the oracle; the decode op's compute dtype, its naive peer."""
+    q, keys = q.to(dtype), keys.to(dtype)
     if keys.shape[0] == 0:
-        return torch.zeros(q.shape[0], d_v, dtype=torch.float64), torch.full((q.shape[0],), -math.inf,
-                                                                              dtype=torch.float64)
+        return torch.zeros(q.shape[0], d_v, dtype=dtype), torch.full((q.shape[0],), -math.inf, dtype=dtype)
     logits = scale * q @ keys.T
     m = logits.max(dim=1, keepdim=True).values
     e = torch.exp(logits - m)
     s = e.sum(dim=1, keepdim=True)
-    denom = s + (torch.exp(sinks.double().view(-1, 1) - m) if sinks is not None else 0)
+    denom = s + (torch.exp(sinks.to(dtype).view(-1, 1) - m) if sinks is not None else 0)
     return (e @ keys[:, :d_v]) / denom, (m + torch.log(s)).squeeze(1)
 
 
 MODES = ["v32_sparse", "dense", "window", "v4_csa", "v4_hca"]
 
 
+class AttentionDecodeCase:
+    """One dsa_sparse_attention_decode call over paged caches and what it attends:
+    V3.2 (indices with -1, past-the-row and repeated entries; per-request topk_lens,
+    entries past them never read), dense, window, V4 CSA / HCA (a ring of raw rows,
+    a compressed cache, sinks). `kw` holds the call's keywords."""
+
+    def __init__(self, g, mode, cache_dtype, qdtype, ctx, *, next_n, heads, dim, d_v, rope, block_size, topk,
+                 ratio, window, cmp_topk, seed):
+        B, D, bs = len(ctx), dim, block_size
+        self.ctx, self.next_n, self.dim, self.d_v, self.rope, self.cache_dtype = ctx, next_n, D, d_v, rope, cache_dtype
+        self.v4 = v4 = mode.startswith("v4")
+        self.ratio = ratio if v4 else 1
+        self.window = window if mode == "window" or v4 else None
+        self.ring_rows = ((window - 1 + bs - 1) // bs + 1 + (next_n + bs - 1) // bs) * bs if v4 else None
+        self.cache, self.table = paged([torch.randn(c, D, generator=g) for c in ctx], rope_dim=rope,
+                                       dtype=cache_dtype, block_size=bs, seed=seed,
+                                       ring_width=self.ring_rows // bs if v4 else None)
+        self.q = torch.randn(B, next_n, heads, D, generator=g).to(qdtype)
+        self.lens = torch.tensor(ctx, dtype=torch.int64)
+        self.kw = kw = dict(scale=D ** -0.5, d_v=d_v, rope_dim=rope, cache_dtype=cache_dtype)
+        self.idx = self.topk_lens = self.cmp_cache = self.cmp_table = self.cmp_idx = self.sinks = None
+        if mode == "v32_sparse":
+            self.idx = torch.stack([torch.randint(-1, c, (next_n, topk), generator=g, dtype=torch.int32)
+                                    for c in ctx])
+            self.topk_lens = torch.randint(0, topk + 1, (B,), generator=g, dtype=torch.int32)
+            for b in range(B):
+                self.idx[b, :, int(self.topk_lens[b]):] = 10 ** 6  # past topk_lens: never read
+            kw.update(indices=self.idx, topk_lens=self.topk_lens)
+        if self.window is not None:
+            kw.update(window=self.window, ring=v4)
+        if v4:
+            self.cmp_cache, self.cmp_table = paged([torch.randn(c // ratio, D, generator=g) for c in ctx],
+                                                   rope_dim=rope, dtype=cache_dtype, block_size=bs, seed=seed + 1)
+            self.sinks = torch.randn(heads, generator=g)
+            kw.update(cmp_cache=self.cmp_cache, cmp_block_table=self.cmp_table, cmp_ratio=ratio, sinks=self.sinks)
+            if mode == "v4_csa":
+                self.cmp_idx = torch.stack([torch.randint(-1, c // ratio, (next_n, cmp_topk), generator=g,
+                                                          dtype=torch.int32) for c in ctx])
+                kw.update(cmp_indices=self.cmp_idx)
+
+    def call(self, **extra):
+        return dsa_sparse_attention_decode(self.q, self.cache, self.table, self.lens, **self.kw, **extra)
+
+    def keys(self, b):
+        """Request b's raw rows as the cache holds them (fp32; zeros before a ring's
+        first held row) and its compressed rows (or None)."""
+        n, D = self.ctx[b], self.dim
+        first = max(0, n - self.ring_rows) if self.v4 else 0
+        keys = torch.zeros(n, D)
+        keys[first:] = gathered(self.cache, self.table[b: b + 1], n, dim=D, rope_dim=self.rope,
+                                dtype=self.cache_dtype, out_dtype=torch.float32, first=first, ring=self.v4)
+        cmp_keys = (gathered(self.cmp_cache, self.cmp_table[b: b + 1], n // self.ratio, dim=D, rope_dim=self.rope,
+                             dtype=self.cache_dtype, out_dtype=torch.float32) if self.v4 else None)
+        return keys, cmp_keys
+
+    def attended(self, b, j, keys, cmp_keys):
+        """The rows query row j of request b attends, in order (repeats repeated)."""
+        pos = self.ctx[b] - self.next_n + j
+        if self.idx is not None:
+            sel = [int(i) for i in self.idx[b, j, : int(self.topk_lens[b])] if 0 <= i <= pos]
+        else:
+            sel = list(range(max(0, pos - self.window + 1) if self.window else 0, pos + 1))
+        rows = [keys[sel]]
+        if self.v4:
+            visible = (pos + 1) // self.ratio
+            rows.append(cmp_keys[[int(i) for i in self.cmp_idx[b, j] if 0 <= i < visible]
+                                 if self.cmp_idx is not None else list(range(visible))])
+        return torch.cat(rows)
+
+    def expected(self, dtype=torch.float64):
+        """(out, lse) [B, next_n, H, d_v] / [B, next_n, H] by oracle_attention in `dtype`."""
+        B, H = self.q.shape[0], self.q.shape[2]
+        out = torch.zeros(B, self.next_n, H, self.d_v, dtype=dtype)
+        lse = torch.zeros(B, self.next_n, H, dtype=dtype)
+        for b in range(B):
+            keys, cmp_keys = self.keys(b)
+            for j in range(self.next_n):
+                out[b, j], lse[b, j] = oracle_attention(self.q[b, j].float(), self.attended(b, j, keys, cmp_keys),
+                                                        self.d_v, self.kw["scale"], self.sinks, dtype)
+        return out, lse
+
+
+# (cache dtype, query dtype) pairs the decode attention op runs.
+ATTENTION_DTYPES = [("bf16", torch.bfloat16), ("fp8", torch.bfloat16), ("fp32", torch.float32),
+                    ("fp32", torch.bfloat16)]
+
+
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("cache_dtype,qdtype", [("bf16", torch.bfloat16), ("fp8", torch.bfloat16),
-                                                ("fp32", torch.float32), ("fp32", torch.bfloat16)])
+@pytest.mark.parametrize("cache_dtype,qdtype", ATTENTION_DTYPES)
 @pytest.mark.parametrize("next_n", [1, 2, 4])
 def test_sparse_attention_decode_against_prefill_oracle_and_reference(mode, cache_dtype, qdtype, next_n):
     g = torch.Generator().manual_seed(MODES.index(mode) * 7 + next_n)
-    H, D, dv, rope, bs, topk, ratio, window = 8, 96, 64, 32, 16, 40, 4, 24
-    ctx = [next_n + 3, 75, 1500]
-    B = len(ctx)
-    v4 = mode.startswith("v4")
-    kv_rows = [torch.randn(c, D, generator=g) for c in ctx]
-    ring_width = (window - 1 + bs - 1) // bs + 1 + (next_n + bs - 1) // bs if v4 else None
-    cache, table = paged(kv_rows, rope_dim=rope, dtype=cache_dtype, block_size=bs, seed=3, ring_width=ring_width)
-    q = torch.randn(B, next_n, H, D, generator=g).to(qdtype)
-    lens = torch.tensor(ctx, dtype=torch.int64)
-    kw = dict(scale=D ** -0.5, d_v=dv, rope_dim=rope, cache_dtype=cache_dtype)
-    idx = topk_lens = cmp_cache = cmp_table = cmp_idx = sinks = None
-    if mode == "v32_sparse":
-        idx = torch.stack([torch.randint(-1, c, (next_n, topk), generator=g, dtype=torch.int32) for c in ctx])
-        idx[1, :, -3:] = 10 ** 6  # past topk_lens[1]: never read
-        topk_lens = torch.tensor([topk, topk - 7, topk], dtype=torch.int32)
-        kw.update(indices=idx, topk_lens=topk_lens)
-    if mode == "window" or v4:
-        kw.update(window=window, ring=v4)
-    if v4:
-        cmp_rows = [torch.randn(c // ratio, D, generator=g) for c in ctx]
-        cmp_cache, cmp_table = paged(cmp_rows, rope_dim=rope, dtype=cache_dtype, block_size=bs, seed=4)
-        sinks = torch.randn(H, generator=g)
-        kw.update(cmp_cache=cmp_cache, cmp_block_table=cmp_table, cmp_ratio=ratio, sinks=sinks)
-        if mode == "v4_csa":
-            cmp_idx = torch.stack([torch.randint(-1, c // ratio, (next_n, 12), generator=g, dtype=torch.int32)
-                                   for c in ctx])
-            kw.update(cmp_indices=cmp_idx)
-    out, lse = dsa_sparse_attention_decode(q, cache, table, lens, **kw)
-    ref_out, ref_lse = dsa_sparse_attention_decode(q, cache, table, lens, backend="reference", **kw)
+    case = AttentionDecodeCase(g, mode, cache_dtype, qdtype, [next_n + 3, 75, 1500], next_n=next_n, heads=8, dim=96,
+                               d_v=64, rope=32, block_size=16, topk=40, ratio=4, window=24, cmp_topk=12, seed=3)
+    out, lse = case.call()
+    ref_out, ref_lse = case.call(backend="reference")
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        out1, lse1 = dsa_sparse_attention_decode(q, cache, table, lens, **kw)
+        out1, lse1 = case.call()
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(out1, out) and torch.equal(lse1, lse)
 
-    kdt = torch_dtype(cache_dtype, qdtype)
     tol = dict(atol=2e-2, rtol=2e-2) if qdtype == torch.bfloat16 else dict(atol=2e-5, rtol=2e-5)
-    for b, c in enumerate(ctx):
-        first = max(0, c - ring_width * bs) if v4 else 0
-        keys = torch.zeros(c, D)
-        keys[first:] = gathered(cache, table[b: b + 1], c, dim=D, rope_dim=rope, dtype=cache_dtype,
-                                out_dtype=torch.float32, first=first, ring=v4)
-        cmp_keys = (gathered(cmp_cache, cmp_table[b: b + 1], c // ratio, dim=D, rope_dim=rope, dtype=cache_dtype,
-                             out_dtype=torch.float32) if v4 else None)
-        for j in range(next_n):
-            pos = c - next_n + j
-            if idx is not None:
-                sel = [int(i) for i in idx[b, j, : topk_lens[b]] if 0 <= i <= pos]
-            else:
-                sel = list(range(max(0, pos - window + 1) if kw.get("window") else 0, pos + 1))
-            rows = [keys[sel]]
-            if v4:
-                vis = (pos + 1) // ratio
-                csel = ([int(i) for i in cmp_idx[b, j] if 0 <= i < vis] if cmp_idx is not None else list(range(vis)))
-                rows.append(cmp_keys[csel])
-            want, want_lse = oracle_attention(q[b, j].float(), torch.cat(rows), dv, D ** -0.5, sinks)
-            torch.testing.assert_close(out[b, j].double(), want, **tol)
-            torch.testing.assert_close(lse[b, j].double(), want_lse, atol=1e-3, rtol=1e-4)
-            torch.testing.assert_close(ref_out[b, j].double(), want, **tol)
-        if v4 or mode != "v32_sparse":
-            continue
-        # The prefill op on the gathered rows (one request, its next_n rows).
-        pre = dsa_sparse_attention(q[b].to(kdt), keys.to(kdt), idx[b, :, : topk_lens[b]].contiguous(),
-                                   scale=D ** -0.5, d_v=dv, query_lengths=[0, next_n], key_lengths=[0, c])
+    want, want_lse = case.expected()
+    torch.testing.assert_close(out.double(), want, **tol)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(ref_out.double(), want, **tol)
+    if mode != "v32_sparse":
+        return
+    # The prefill op on the gathered rows (one request, its next_n rows).
+    kdt = torch_dtype(cache_dtype, qdtype)
+    for b, c in enumerate(case.ctx):
+        if case.topk_lens[b] == 0:
+            continue  # the prefill op takes no empty index lists
+        keys = case.keys(b)[0]
+        pre = dsa_sparse_attention(case.q[b].to(kdt), keys.to(kdt),
+                                   case.idx[b, :, : int(case.topk_lens[b])].contiguous(), scale=case.kw["scale"],
+                                   d_v=case.d_v, query_lengths=[0, next_n], key_lengths=[0, c])
         pre_out = pre[0] if isinstance(pre, tuple) else pre
         torch.testing.assert_close(out[b].to(kdt), pre_out, **tol)
 

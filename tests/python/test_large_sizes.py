@@ -82,7 +82,7 @@ def test_sparse_attention_indices_beyond_2_31_elements(problem, backend):
         return
     # The backward once, on the fused backend, through the op itself: autograd
     # would add a copy of the 4.3 GB d_kv. grad_out as run() draws it.
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    grad = test_sparse_attention.upstream_gradient(out.shape, query.dtype)
     lengths = (torch.tensor([T]), torch.tensor([S]))
     d_query, d_kv = torch.ops.dsa.sparse_attention_bwd(
         grad, out, mx, sm, query, kv, problem["full_idx"], None, None, None, None, None, *lengths, D ** -0.5, 0, 0,

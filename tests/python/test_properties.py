@@ -247,18 +247,13 @@ def test_compressor_matches_oracle(case):
 
 # ------------------------------------------------------------ decode attention
 
-DECODE_DTYPES = [("bf16", torch.bfloat16), ("fp8", torch.bfloat16), ("fp32", torch.float32),
-                 ("fp32", torch.bfloat16)]
-
-
 @st.composite
 def decode_attention_cases(draw):
-    """dsa_sparse_attention_decode over paged caches: V3.2 (indices with -1, past-the-row
-    and repeated entries, a per-request topk_lens), dense, window, V4 CSA / HCA (a ring
-    of raw rows, a compressed cache, sinks); block sizes 4-64, 1-3 requests of ragged
-    length, next_n 1-4, heads 1-16, rope on or off, d_v below the key's nope part."""
+    """test_decode.AttentionDecodeCase's arguments: every mode and cache / query dtype
+    pair, block sizes 4-64, 1-3 requests of ragged length, next_n 1-4, heads 1-16, rope
+    on or off, d_v below the key's nope part, top-k / window / cmp top-k from 1 up."""
     mode = draw(st.sampled_from(test_decode.MODES))
-    cache_dtype, qdtype = draw(st.sampled_from(DECODE_DTYPES))
+    cache_dtype, qdtype = draw(st.sampled_from(test_decode.ATTENTION_DTYPES))
     rope = draw(st.sampled_from([0, 16]))
     nope = draw(st.sampled_from([16, 48, 128]))
     next_n = draw(st.integers(1, 4))
@@ -272,90 +267,23 @@ def decode_attention_cases(draw):
                 cmp_topk=draw(st.integers(1, 12)), seed=draw(st.integers(0, 2**16)))
 
 
-def _attention_in(q, keys, d_v, scale, sinks, dtype):
-    """One query row's heads over its keys, in `dtype` the way plain torch computes it:
-    the decode ops' naive peer (float64: the oracle)."""
-    q, keys = q.to(dtype), keys.to(dtype)
-    if keys.shape[0] == 0:
-        return torch.zeros(q.shape[0], d_v, dtype=dtype), torch.full((q.shape[0],), -math.inf, dtype=dtype)
-    logits = scale * (q @ keys.T)
-    m = logits.max(dim=1, keepdim=True).values
-    e = torch.exp(logits - m)
-    s = e.sum(dim=1, keepdim=True)
-    denom = s + (torch.exp(sinks.to(dtype).view(-1, 1) - m) if sinks is not None else 0)
-    return (e @ keys[:, :d_v]) / denom, (m + torch.log(s)).squeeze(1)
-
-
 @budget(20)
 @given(decode_attention_cases())
 def test_sparse_attention_decode_matches_oracle(case):
     """Both backends against the float64 oracle on the rows the cache holds (read back
     with dsa_cache_gather), under docs/testing.md's rule: the peer is the same
     attention in plain torch, in the dtype the op computes in."""
-    c = case
-    g = torch.Generator().manual_seed(c["seed"])
-    B, H, D, bs, next_n, ratio = len(c["ctx"]), c["heads"], c["dim"], c["block_size"], c["next_n"], c["ratio"]
-    v4 = c["mode"].startswith("v4")
-    window = c["window"] if c["mode"] == "window" or v4 else None
-    ring_width = (window - 1 + bs - 1) // bs + 1 + (next_n + bs - 1) // bs if v4 else None
-    cache, table = test_decode.paged([torch.randn(n, D, generator=g) for n in c["ctx"]], rope_dim=c["rope"],
-                                     dtype=c["cache_dtype"], block_size=bs, seed=c["seed"], ring_width=ring_width)
-    q = torch.randn(B, next_n, H, D, generator=g).to(c["qdtype"])
-    kw = dict(scale=D ** -0.5, d_v=c["d_v"], rope_dim=c["rope"], cache_dtype=c["cache_dtype"])
-    idx = topk_lens = cmp_idx = sinks = cmp_cache = cmp_table = None
-    if c["mode"] == "v32_sparse":
-        idx = torch.stack([torch.randint(-1, n, (next_n, c["topk"]), generator=g, dtype=torch.int32)
-                           for n in c["ctx"]])
-        topk_lens = torch.randint(0, c["topk"] + 1, (B,), generator=g, dtype=torch.int32)
-        for b in range(B):
-            idx[b, :, int(topk_lens[b]):] = 10 ** 6  # past topk_lens: never read
-        kw.update(indices=idx, topk_lens=topk_lens)
-    if window is not None:
-        kw.update(window=window, ring=v4)
-    if v4:
-        cmp_cache, cmp_table = test_decode.paged([torch.randn(n // ratio, D, generator=g) for n in c["ctx"]],
-                                                 rope_dim=c["rope"], dtype=c["cache_dtype"], block_size=bs,
-                                                 seed=c["seed"] + 1)
-        sinks = torch.randn(H, generator=g)
-        kw.update(cmp_cache=cmp_cache, cmp_block_table=cmp_table, cmp_ratio=ratio, sinks=sinks)
-        if c["mode"] == "v4_csa":
-            cmp_idx = torch.stack([torch.randint(-1, n // ratio, (next_n, c["cmp_topk"]), generator=g,
-                                                 dtype=torch.int32) for n in c["ctx"]])
-            kw.update(cmp_indices=cmp_idx)
-    lens = torch.tensor(c["ctx"], dtype=torch.int64)
-
-    # The oracle and the peer, row by row, on the selected keys.
-    compute = test_decode.torch_dtype(c["cache_dtype"], c["qdtype"])
-    want = torch.zeros(B, next_n, H, c["d_v"], dtype=torch.float64)
-    want_lse = torch.zeros(B, next_n, H, dtype=torch.float64)
-    peer = torch.zeros(B, next_n, H, c["d_v"], dtype=torch.float64)
-    for b, n in enumerate(c["ctx"]):
-        first = max(0, n - ring_width * bs) if v4 else 0
-        keys = torch.zeros(n, D)
-        keys[first:] = test_decode.gathered(cache, table[b: b + 1], n, dim=D, rope_dim=c["rope"],
-                                            dtype=c["cache_dtype"], out_dtype=torch.float32, first=first, ring=v4)
-        cmp_keys = (test_decode.gathered(cmp_cache, cmp_table[b: b + 1], n // ratio, dim=D, rope_dim=c["rope"],
-                                         dtype=c["cache_dtype"], out_dtype=torch.float32) if v4 else None)
-        for j in range(next_n):
-            pos = n - next_n + j
-            if idx is not None:
-                sel = [int(i) for i in idx[b, j, : int(topk_lens[b])] if 0 <= i <= pos]
-            else:
-                sel = list(range(max(0, pos - window + 1) if window else 0, pos + 1))
-            rows = [keys[sel]]
-            if v4:
-                visible = (pos + 1) // ratio
-                rows.append(cmp_keys[[int(i) for i in cmp_idx[b, j] if 0 <= i < visible] if cmp_idx is not None
-                                     else list(range(visible))])
-            want[b, j], want_lse[b, j] = _attention_in(q[b, j], torch.cat(rows), c["d_v"], D ** -0.5, sinks,
-                                                       torch.float64)
-            peer[b, j] = _attention_in(q[b, j], torch.cat(rows), c["d_v"], D ** -0.5, sinks, compute)[0].double()
-
-    peer_err = (peer.to(c["qdtype"]).double() - want).abs().max().item()
+    c = dict(case)
+    qdtype = c["qdtype"]
+    call = test_decode.AttentionDecodeCase(torch.Generator().manual_seed(c["seed"]), c.pop("mode"),
+                                           c.pop("cache_dtype"), c.pop("qdtype"), c.pop("ctx"), **c)
+    want, want_lse = call.expected()
+    peer = call.expected(test_decode.torch_dtype(case["cache_dtype"], qdtype))[0]
+    peer_err = (peer.to(qdtype).double() - want).abs().max().item()
     for backend in ("cpu", "reference"):
-        out, lse = dsa.dsa_sparse_attention_decode(q, cache, table, lens, backend=backend, **kw)
+        out, lse = call.call(backend=backend)
         err = (out.double() - want).abs().max().item()
-        limit = _tolerance.bound(c["qdtype"] == torch.float32, want.abs().max().item(), peer_err)
+        limit = _tolerance.bound(qdtype == torch.float32, want.abs().max().item(), peer_err)
         assert err <= limit, (backend, err, limit, peer_err)
         # lse is fp32 from the same rounded inputs: the fp32 rule, -inf where no key is seen.
         lse = lse.double()
