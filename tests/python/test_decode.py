@@ -42,31 +42,51 @@ def torch_dtype(cache_dtype, query_dtype):
     return torch.bfloat16 if query_dtype == torch.bfloat16 and cache_dtype != "fp32" else torch.float32
 
 
+class IndexerDecodeCase:
+    """One dsa_indexer_decode call over a paged index-key cache (random block table,
+    ragged context lengths) and, per request, the same rows as a dsa_indexer call on
+    the keys the cache holds (`prefill(b)`)."""
+
+    def __init__(self, g, cache_dtype, qdtype, ctx, *, next_n, heads, dim, topk, block_size, cmp_ratio, scale, seed):
+        self.ctx, self.next_n, self.dim, self.cache_dtype, self.cmp_ratio = ctx, next_n, dim, cache_dtype, cmp_ratio
+        keys = [torch.randn(c // cmp_ratio, dim, generator=g) for c in ctx]
+        self.cache, self.table = paged(keys, rope_dim=0, dtype=cache_dtype, block_size=block_size, seed=seed)
+        self.q = torch.randn(len(ctx), next_n, heads, dim, generator=g).to(qdtype)
+        self.w = torch.rand(len(ctx), next_n, heads, generator=g).to(qdtype)
+        self.lens = torch.tensor(ctx, dtype=torch.int32)
+        self.kw = dict(topk=topk, scale=scale, cmp_ratio=cmp_ratio)
+        # The dtype the op scores in: bf16 queries over bf16 / FP8 keys in bf16, else fp32.
+        self.score_dtype = torch_dtype(cache_dtype, qdtype)
+
+    def call(self, **extra):
+        return dsa_indexer_decode(self.q, self.w, self.cache, self.table, self.lens, **self.kw,
+                                  cache_dtype=self.cache_dtype, **extra)
+
+    def prefill(self, b):
+        """(index_query, keys, weights, keywords) of the dsa_indexer call that selects
+        request b's rows from the keys the cache holds, in the op's score dtype."""
+        dt, c = self.score_dtype, self.ctx[b]
+        k = gathered(self.cache, self.table[b: b + 1], c // self.cmp_ratio, dim=self.dim, rope_dim=0,
+                     dtype=self.cache_dtype, out_dtype=dt)
+        return self.q[b].to(dt), k, self.w[b].to(dt), dict(self.kw, query_lengths=[0, self.next_n],
+                                                            key_lengths=[0, c])
+
+
 @pytest.mark.parametrize("cache_dtype,qdtype", [("bf16", torch.bfloat16), ("fp8", torch.bfloat16),
                                                 ("fp32", torch.float32), ("bf16", torch.float32)])
 @pytest.mark.parametrize("next_n", [1, 3])
 @pytest.mark.parametrize("cmp_ratio", [1, 4])
 def test_indexer_decode_equals_the_prefill_indexer_on_gathered_keys(cache_dtype, qdtype, next_n, cmp_ratio):
-    g = torch.Generator().manual_seed(next_n * 10 + cmp_ratio)
-    Hi, Di, topk, bs = 8, 64, 24, 16
     ctx = [next_n + 5, 97, 300]
     if cmp_ratio > 1:
         ctx = [max(c, cmp_ratio * next_n + 4) for c in ctx]
-    keys = [torch.randn(c // cmp_ratio, Di, generator=g) for c in ctx]
-    cache, table = paged(keys, rope_dim=0, dtype=cache_dtype, block_size=bs, seed=1)
-    q = torch.randn(len(ctx), next_n, Hi, Di, generator=g).to(qdtype)
-    w = torch.rand(len(ctx), next_n, Hi, generator=g).to(qdtype)
-    lens = torch.tensor(ctx, dtype=torch.int32)
-    got = dsa_indexer_decode(q, w, cache, table, lens, topk=topk, scale=0.3, cmp_ratio=cmp_ratio,
-                             cache_dtype=cache_dtype)
-    ref = dsa_indexer_decode(q, w, cache, table, lens, topk=topk, scale=0.3, cmp_ratio=cmp_ratio,
-                             cache_dtype=cache_dtype, backend="reference")
-    kdt = torch_dtype(cache_dtype, qdtype)
-    for b, c in enumerate(ctx):
-        k = gathered(cache, table[b: b + 1], c // cmp_ratio, dim=Di, rope_dim=0, dtype=cache_dtype,
-                     out_dtype=kdt)
-        want = dsa_indexer(q[b].to(kdt), k, w[b].to(kdt) if kdt == torch.bfloat16 else w[b].float(), topk=topk,
-                           scale=0.3, cmp_ratio=cmp_ratio, query_lengths=[0, next_n], key_lengths=[0, c])
+    case = IndexerDecodeCase(torch.Generator().manual_seed(next_n * 10 + cmp_ratio), cache_dtype, qdtype, ctx,
+                             next_n=next_n, heads=8, dim=64, topk=24, block_size=16, cmp_ratio=cmp_ratio, scale=0.3,
+                             seed=1)
+    got, ref = case.call(), case.call(backend="reference")
+    for b in range(len(ctx)):
+        q, k, w, kwargs = case.prefill(b)
+        want = dsa_indexer(q, k, w, **kwargs)
         assert torch.equal(got[b], want), (b, got[b], want)
         # The reference scores in float64: the same selection up to near ties.
         for j in range(next_n):

@@ -245,6 +245,45 @@ def test_compressor_matches_oracle(case):
                                              lengths=case["lengths"], layout=case["layout"], backend=backend)
 
 
+# ------------------------------------------------------------- decode indexer
+
+@st.composite
+def decode_indexer_cases(draw):
+    """test_decode.IndexerDecodeCase's arguments: every cache / query dtype pair, block
+    sizes 1-64, 1-3 requests of ragged length (down to rows that see no compressed
+    entry), next_n 1-4, index heads 1-8, odd and short key dims, cmp_ratio 1 / 4 / 5,
+    top-k from 1 to more keys than a request has."""
+    next_n = draw(st.integers(1, 4))
+    ratio = draw(st.sampled_from([1, 1, 4, 5]))
+    ctx = [draw(st.integers(next_n, 200)) for _ in range(draw(st.integers(1, 3)))]
+    cache_dtype, qdtype = draw(st.sampled_from([("bf16", torch.bfloat16), ("fp8", torch.bfloat16),
+                                                ("fp32", torch.float32), ("bf16", torch.float32),
+                                                ("fp8", torch.float32), ("fp32", torch.bfloat16)]))
+    return dict(cache_dtype=cache_dtype, qdtype=qdtype, ctx=ctx, next_n=next_n,
+                heads=draw(st.sampled_from([1, 3, 8])), dim=draw(st.sampled_from([8, 33, 64, 128])),
+                topk=draw(st.sampled_from([1, 5, 16, 70, 256])), block_size=draw(st.sampled_from([1, 4, 16, 64])),
+                cmp_ratio=ratio, scale=draw(st.sampled_from([1.0, 0.3])), seed=draw(st.integers(0, 2**16)))
+
+
+@budget(20)
+@given(decode_indexer_cases())
+def test_indexer_decode_matches_oracle(case):
+    """Both backends' selections under docs/testing.md's top-k rule against the float64
+    oracle on the keys the cache holds; the fused backend also equals dsa_indexer on
+    them bit for bit (docs/serving.md)."""
+    c = dict(case)
+    call = test_decode.IndexerDecodeCase(torch.Generator().manual_seed(c["seed"]), c.pop("cache_dtype"),
+                                         c.pop("qdtype"), c.pop("ctx"), **c)
+    for backend in ("cpu", "reference"):
+        got = call.call(backend=backend)
+        assert got.shape == (len(case["ctx"]), case["next_n"], case["topk"]) and got.dtype == torch.int32
+        for b in range(len(case["ctx"])):
+            q, k, w, kwargs = call.prefill(b)
+            test_indexer.check_selection(got[b], None, q, k, w, kwargs, what=f"{backend} request {b}")
+            if backend == "cpu":
+                assert torch.equal(got[b], dsa.dsa_indexer(q, k, w, **kwargs)), b
+
+
 # ------------------------------------------------------------ decode attention
 
 @st.composite
