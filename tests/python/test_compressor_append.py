@@ -22,27 +22,42 @@ MODES = [  # ratio, overlap, c
 ]
 
 
-def append_in_chunks(kv, gate, bias, lengths, *, ratio, overlap, chunk, backend="auto"):
-    """kv, gate [B, T, C] (request b's first lengths[b] rows valid), appended
-    `chunk` tokens per call. Returns each request's entries [L // ratio, c]."""
+def append_by_schedule(kv, gate, bias, schedule, *, ratio, overlap, backend="auto", pad=0, seed=0):
+    """kv, gate [B, T, C]; schedule: one list per call of how many of its next rows
+    each request appends (`new_lens`). A call's kv holds each request's rows at its
+    front, then `pad` more rows of noise the op must not read. Returns each request's
+    entries [appended // ratio, c]."""
     B, T, C = kv.shape
+    g = torch.Generator().manual_seed(seed)
     state_kv, state_gate = new_compressor_state(B, ratio, C, overlap=overlap)
     state_kv.fill_(3.0)  # a fresh request's state may hold anything
     done = torch.zeros(B, dtype=torch.int64)
     out = [[] for _ in range(B)]
-    for start in range(0, T, chunk):
-        n = min(chunk, T - start)
-        new_lens = (torch.tensor(lengths) - start).clamp(0, n)
-        entries = dsa_compressor_append(kv[:, start:start + n], gate[:, start:start + n], bias, state_kv,
-                                        state_gate, done, ratio=ratio, overlap=overlap, new_lens=new_lens,
-                                        backend=backend)
+    for counts in schedule:
+        new_lens = torch.tensor(counts, dtype=torch.int64)
+        n = int(new_lens.max()) + pad
+        call_kv = torch.randn(B, n, C, generator=g).to(kv.dtype)
+        call_gate = torch.randn(B, n, C, generator=g).to(kv.dtype)
+        for b, k in enumerate(counts):
+            call_kv[b, :k] = kv[b, int(done[b]): int(done[b]) + k]
+            call_gate[b, :k] = gate[b, int(done[b]): int(done[b]) + k]
+        entries = dsa_compressor_append(call_kv, call_gate, bias, state_kv, state_gate, done, ratio=ratio,
+                                        overlap=overlap, new_lens=new_lens, backend=backend)
         assert entries.shape == (B, -(-n // ratio), C // 2 if overlap else C)
         for b in range(B):
-            count = (int(done[b]) + int(new_lens[b])) // ratio - int(done[b]) // ratio
+            count = (int(done[b]) + counts[b]) // ratio - int(done[b]) // ratio
             out[b].append(entries[b, :count])
             assert not entries[b, count:].any(), "rows past a request's entries are zero"
         done += new_lens
     return [torch.cat(o) for o in out]
+
+
+def append_in_chunks(kv, gate, bias, lengths, *, ratio, overlap, chunk, backend="auto"):
+    """Request b's first lengths[b] rows appended `chunk` tokens per call."""
+    T = kv.shape[1]
+    schedule = [[max(0, min(chunk, L - start)) for L in lengths] for start in range(0, T, chunk)]
+    return append_by_schedule(kv, gate, bias, schedule, ratio=ratio, overlap=overlap, backend=backend,
+                              pad=0)
 
 
 @pytest.mark.parametrize("ratio,overlap,c", MODES)

@@ -22,9 +22,11 @@ import dsa
 from _indices import fold_into_sequences
 from dsa import _C
 from dsa.lengths import cu_seqlens_from_ends, lengths_from_ends
+from dsa.naive import naive_compressor
 
 import _tolerance
 import test_compressor
+import test_compressor_append
 import test_decode
 import test_indexer
 import test_kl_loss
@@ -282,6 +284,56 @@ def test_indexer_decode_matches_oracle(case):
             test_indexer.check_selection(got[b], None, q, k, w, kwargs, what=f"{backend} request {b}")
             if backend == "cpu":
                 assert torch.equal(got[b], dsa.dsa_indexer(q, k, w, **kwargs)), b
+
+
+# -------------------------------------------------------- compressor append
+
+@st.composite
+def compressor_append_cases(draw):
+    """1-3 requests of 0-60 tokens appended over random calls, each request taking
+    0 to all of its remaining tokens per call (so entries complete mid-call, across
+    calls and not at all), with noise rows past them; ratio 1-16, overlap, odd
+    channel counts, every dtype."""
+    ratio = draw(st.sampled_from([1, 2, 3, 4, 16]))
+    overlap = draw(st.booleans())
+    lengths = [draw(st.one_of(st.integers(0, 3 * ratio + 1), st.integers(0, 60)))
+               for _ in range(draw(st.integers(1, 3)))]
+    left, schedule = list(lengths), []
+    while any(left) or not schedule:
+        counts = [draw(st.integers(0, r)) if r else 0 for r in left]
+        left = [r - k for r, k in zip(left, counts)]
+        schedule.append(counts)
+        if len(schedule) >= 6:  # then the rest at once
+            schedule.append(left)
+            break
+    c = draw(st.sampled_from([3, 8, 17, 40]))
+    return dict(ratio=ratio, overlap=overlap, lengths=lengths, schedule=schedule,
+                channels=(2 if overlap else 1) * c, pad=draw(st.integers(0, 3)), dtype=draw(st.sampled_from(DTYPES)),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@budget(24)
+@given(compressor_append_cases())
+def test_compressor_append_matches_oracle(case):
+    """Both backends: each request's entries under docs/testing.md's rule against the
+    float64 one-shot compressor on its whole sequence (peer: the naive compressor in
+    the inputs' dtype); in fp32, dsa_compressor's entries bit for bit (docs/serving.md)."""
+    ratio, overlap, lengths, dtype = case["ratio"], case["overlap"], case["lengths"], case["dtype"]
+    kv, gate, bias = test_compressor.make_inputs((len(lengths), max(lengths)), case["channels"], ratio, dtype,
+                                                 seed=case["seed"])
+    kwargs = dict(ratio=ratio, overlap=overlap)
+    for backend in ("cpu", "reference"):
+        got = test_compressor_append.append_by_schedule(kv, gate, bias, case["schedule"], backend=backend,
+                                                        pad=case["pad"], seed=case["seed"], **kwargs)
+        for b, L in enumerate(lengths):
+            assert got[b].dtype == dtype
+            oracle = naive_compressor(kv[b, :L].double(), gate[b, :L].double(), bias.double(), **kwargs)
+            naive = naive_compressor(kv[b, :L], gate[b, :L], bias, **kwargs)
+            assert got[b].shape == oracle.shape, (backend, b)
+            test_compressor.assert_rule(got[b], naive, oracle, dtype, f"{backend} request {b}")
+            if dtype == torch.float32:
+                want = dsa.dsa_compressor(kv[b, :L], gate[b, :L], bias, backend=backend, **kwargs)[0]
+                assert torch.equal(got[b], want), (backend, b)
 
 
 # ------------------------------------------------------------ decode attention
