@@ -365,24 +365,9 @@ def test_sparse_attention_decode_matches_oracle(case):
     with dsa_cache_gather), under docs/testing.md's rule: the peer is the same
     attention in plain torch, in the dtype the op computes in."""
     c = dict(case)
-    qdtype = c["qdtype"]
     call = test_decode.AttentionDecodeCase(torch.Generator().manual_seed(c["seed"]), c.pop("mode"),
                                            c.pop("cache_dtype"), c.pop("qdtype"), c.pop("ctx"), **c)
-    want, want_lse = call.expected()
-    peer = call.expected(test_decode.torch_dtype(case["cache_dtype"], qdtype))[0]
-    peer_err = (peer.to(qdtype).double() - want).abs().max().item()
-    for backend in ("cpu", "reference"):
-        out, lse = call.call(backend=backend)
-        err = (out.double() - want).abs().max().item()
-        limit = _tolerance.bound(qdtype == torch.float32, want.abs().max().item(), peer_err)
-        assert err <= limit, (backend, err, limit, peer_err)
-        # lse is fp32 from the same rounded inputs: the fp32 rule, -inf where no key is seen.
-        lse = lse.double()
-        assert torch.equal(torch.isinf(lse), torch.isinf(want_lse)), backend
-        fin = torch.isfinite(want_lse)
-        if fin.any():
-            lse_err = (lse[fin] - want_lse[fin]).abs().max().item()
-            assert lse_err <= _tolerance.bound(True, want_lse[fin].abs().max().item(), None), (backend, lse_err)
+    test_decode.check_attention_rule(call, {backend: call.call(backend=backend) for backend in ("cpu", "reference")})
 
 
 # ------------------------------------------------------------ bad configurations
