@@ -81,6 +81,7 @@ BlockTable validate_block_table(const TensorView& block_table, std::int64_t batc
   t.block_size = cache.block_size;
   t.ring = cache.layout.ring;
   t.num_blocks = cache.num_blocks;
+  t.name = name;
   // The entries are checked where they are looked up (require_covered), not
   // here, so validation costs what the call reads: a walk over the whole table
   // costs its B * width even where a call reads one column, and an empty
@@ -94,15 +95,15 @@ void require_covered(const BlockTable& t, std::int64_t b, std::int64_t first, st
   if (first < 0) fail_argument(what, ": position ", first, " of request ", b, " is negative");
   if (!t.ring && (end - 1) / t.block_size >= t.width)
     fail_argument(what, ": position ", end - 1, " of request ", b, " needs block table column ",
-                  (end - 1) / t.block_size, ", but block_table has ", t.width, " columns of ", t.block_size,
+                  (end - 1) / t.block_size, ", but ", t.name, " has ", t.width, " columns of ", t.block_size,
                   " tokens");
   if (t.ring && (end - 1) / t.block_size - first / t.block_size >= t.width)
     fail_argument(what, ": positions ", first, "..", end - 1, " of request ", b, " span more blocks than the ",
-                  t.width, " columns of the ring block_table");
+                  t.width, " columns of the ring ", t.name);
   for (std::int64_t blk = first / t.block_size; blk <= (end - 1) / t.block_size; ++blk) {
     const std::int64_t column = t.ring ? blk % t.width : blk, id = t.block(b, column);
     if (id < -1 || id >= t.num_blocks)
-      fail_argument("block_table[", b, ", ", column, "] = ", id, ": expected a block id in [0, ", t.num_blocks,
+      fail_argument(t.name, "[", b, ", ", column, "] = ", id, ": expected a block id in [0, ", t.num_blocks,
                     ") of the cache, or -1 for no block (read for ", what, ")");
     if (id < 0)
       fail_argument(what, ": position ", std::max(first, blk * t.block_size), " of request ", b,

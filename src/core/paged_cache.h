@@ -34,6 +34,7 @@ struct BlockTable {
   std::int64_t batch = 0, width = 0, row_stride = 0, col_stride = 0;
   std::int64_t block_size = 0, num_blocks = 0;
   bool ring = false;
+  const char* name = "block_table";  // the argument, for errors (cmp_block_table for V4's compressed cache)
 
   std::int64_t block(std::int64_t b, std::int64_t column) const {
     return data[b * row_stride + column * col_stride];

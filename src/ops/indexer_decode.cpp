@@ -1,6 +1,7 @@
 // dsa::indexer_decode: validation, problem set-up and backend dispatch.
 #include "ops/indexer_decode.h"
 
+#include <cmath>
 #include <limits>
 
 #include "core/numeric.h"
@@ -44,6 +45,7 @@ void indexer_decode(const TensorView& index_query, const TensorView& weights, co
   p.topk = params.topk;
   if (params.cmp_ratio < 1) fail_argument("cmp_ratio: expected >= 1 (1: raw keys), got ", params.cmp_ratio);
   p.cmp_ratio = params.cmp_ratio;
+  if (!std::isfinite(params.scale)) fail_argument("scale: expected a finite number, got ", params.scale);
   p.scale = params.scale;
   p.num_threads = resolve_num_threads(params.num_threads);
 

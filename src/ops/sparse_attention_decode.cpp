@@ -2,6 +2,7 @@
 #include "ops/sparse_attention_decode.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "core/thread_pool.h"
@@ -32,7 +33,7 @@ void require_in_ring(const BlockTable& t, std::int64_t b, std::int64_t pos, std:
   if (!t.ring || held <= 0) return;
   const std::int64_t newest = (held - 1) / t.block_size;
   if (pos / t.block_size + t.width <= newest)
-    fail_argument(what, ": position ", pos, " of request ", b, " has left the ring block_table (", t.width,
+    fail_argument(what, ": position ", pos, " of request ", b, " has left the ring ", t.name, " (", t.width,
                   " columns of ", t.block_size, " tokens, newest position ", held - 1, ")");
 }
 
@@ -66,6 +67,7 @@ SparseAttentionDecodeProblem set_up(const SparseAttentionDecodeInputs& in, const
   p.q_batch_stride = in.query.stride(0);
   p.q_row_stride = in.query.stride(1);
   p.q_head_stride = in.query.stride(2);
+  if (!std::isfinite(params.scale)) fail_argument("scale: expected a finite number, got ", params.scale);
   p.scale = params.scale;
   if (params.window < 0) fail_argument("window: expected >= 0 (0: every token), got ", params.window);
   p.window = params.window;

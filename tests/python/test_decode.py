@@ -325,6 +325,17 @@ def test_decode_errors_name_the_argument():
                                     torch.tensor([2], dtype=torch.int32), scale=1.0)
     with pytest.raises(ValueError, match="d_v"):
         dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, d_v=65)
+    for bad_scale in (math.nan, math.inf):  # found by test_properties: a NaN output, no error
+        with pytest.raises(ValueError, match="scale"):
+            dsa_sparse_attention_decode(q, cache, table, lens, scale=bad_scale)
+        with pytest.raises(ValueError, match="scale"):
+            dsa_indexer_decode(q, torch.rand(1, 1, 4).bfloat16(), cache, table, lens, topk=4, scale=bad_scale)
+    # V4's compressed cache has a block table of its own, and its errors say so.
+    bad = table.clone()
+    bad[0, 0] = 1000
+    with pytest.raises(ValueError, match=r"cmp_block_table\[0, 0\] = 1000"):
+        dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, cmp_cache=cache, cmp_block_table=bad,
+                                    cmp_ratio=4)
     with pytest.raises(ValueError, match="cmp_ratio"):
         dsa_sparse_attention_decode(q, cache, table, lens, scale=1.0, cmp_ratio=4)
     with pytest.raises(ValueError, match="window"):

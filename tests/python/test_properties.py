@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 import dsa
 from _indices import fold_into_sequences
-from dsa import _C
+from dsa import _C, dsa_compressor_append
+from dsa._common import handoff
 from dsa.lengths import cu_seqlens_from_ends, lengths_from_ends
 from dsa.naive import naive_compressor
 
@@ -508,6 +509,171 @@ def test_compressor_bad_configurations(raw, which, seed):
     with pytest.raises(ValueError, match=needle):
         dsa.dsa_compressor(kv2, g2, b2, **a)
     assert _unchanged(before, [kv2, g2, b2])
+
+
+def _with(a, name, at, value):
+    """a copy of call arguments `a` whose tensor `name` has `value` at index `at`."""
+    t = a[name].clone()
+    t[at] = value
+    return dict(a, **{name: t})
+
+
+def _no_bytes(cache):
+    """A cache tensor whose records are one byte short (a contiguous one)."""
+    return cache[..., :-1].contiguous()
+
+
+# Each mutation turns a valid dsa_sparse_attention_decode call (a small
+# test_decode.AttentionDecodeCase, arguments by name) into a bad one: (the text
+# the error must contain, the modes it applies to, the mutation).
+_ALL, _V32, _V4, _PAGED = test_decode.MODES, ["v32_sparse"], ["v4_csa", "v4_hca"], ["dense", "window"]
+DECODE_ATTENTION_MUTATIONS = [
+    ("scale", _ALL, lambda a, c: dict(a, scale=math.nan)),
+    ("d_v", _ALL, lambda a, c: dict(a, d_v=c.dim + 1)),
+    ("query", _ALL, lambda a, c: dict(a, query=a["query"][0])),
+    ("kv_cache", _ALL, lambda a, c: dict(a, kv_cache=_no_bytes(a["kv_cache"]))),
+    (r"context_lens\[0\]", _ALL, lambda a, c: _with(a, "context_lens", 0, c.next_n - 1)),
+    ("context_lens", _ALL, lambda a, c: dict(a, context_lens=a["context_lens"][:-1])),
+    # Column 0 holds position 0, which every dense row reads (a window row may not).
+    (r"block_table\[0, 0\]", ["dense"], lambda a, c: _with(a, "block_table", (0, 0), a["kv_cache"].shape[0])),
+    ("no block", ["dense"], lambda a, c: _with(a, "block_table", (0, 0), -1)),
+    ("context_lens", _PAGED,
+     lambda a, c: _with(a, "context_lens", 0, a["block_table"].shape[1] * a["kv_cache"].shape[1] + 1)),
+    (r"indices\[0, 0, 0\]", _V32, lambda a, c: _with(_with(a, "indices", (0, 0, 0), c.ctx[0]), "topk_lens", 0, 1)),
+    ("indices", _V32, lambda a, c: dict(a, indices=a["indices"].long())),
+    ("topk_lens", _V32, lambda a, c: _with(a, "topk_lens", 0, a["indices"].shape[-1] + 1)),
+    ("window", _V32, lambda a, c: dict(a, window=2)),
+    ("sinks", _V4, lambda a, c: dict(a, sinks=torch.zeros(a["query"].shape[2] + 1))),
+    ("cmp_ratio", _V4, lambda a, c: dict(a, cmp_ratio=1)),
+    ("cmp_cache", _V4, lambda a, c: dict(a, cmp_cache=_no_bytes(a["cmp_cache"]))),
+    # Every column a request's compressed entries use is read (HCA: all of them; CSA: cmp index 0 below).
+    (r"cmp_block_table\[0, 0\]", _V4,
+     lambda a, c: _with(_with(a, "cmp_indices", (0, c.next_n - 1, 0), 0) if a.get("cmp_indices") is not None else a,
+                        "cmp_block_table", (0, 0), a["cmp_cache"].shape[0])),
+    (r"cmp_indices\[0, 0, 0\]", ["v4_csa"], lambda a, c: _with(a, "cmp_indices", (0, 0, 0), -2)),
+]
+
+
+@st.composite
+def bad_decode_attention_calls(draw):
+    which = draw(st.sampled_from(range(len(DECODE_ATTENTION_MUTATIONS))))
+    mode = draw(st.sampled_from(DECODE_ATTENTION_MUTATIONS[which][1]))
+    cache_dtype, qdtype = draw(st.sampled_from(test_decode.ATTENTION_DTYPES))
+    next_n = draw(st.integers(1, 3))
+    ratio = draw(st.sampled_from([2, 4]))
+    # Request 0 holds a full compressed entry and a cmp_block_table column 0 (V4).
+    ctx = [draw(st.integers(max(next_n, ratio), 40)) for _ in range(draw(st.integers(1, 3)))]
+    case = test_decode.AttentionDecodeCase(
+        torch.Generator().manual_seed(draw(st.integers(0, 2**16))), mode, cache_dtype, qdtype, ctx, next_n=next_n,
+        heads=draw(st.sampled_from([1, 3])), dim=24, d_v=16, rope=8, block_size=draw(st.sampled_from([1, 4, 16])),
+        topk=5, ratio=ratio, window=4, cmp_topk=3, seed=draw(st.integers(0, 2**16)))
+    return case, which
+
+
+@budget(30)
+@given(bad_decode_attention_calls())
+def test_sparse_attention_decode_bad_configurations(drawn):
+    """ValueError naming the argument; every input unchanged; called through _C with
+    sentinel-filled outputs, the caller's outputs unwritten."""
+    case, which = drawn
+    needle, _, mutate = DECODE_ATTENTION_MUTATIONS[which]
+    a = mutate(dict(query=case.q, kv_cache=case.cache, block_table=case.table, context_lens=case.lens, **case.kw),
+               case)
+    before = _snapshot(a.values())
+    with pytest.raises(ValueError, match=needle):
+        dsa.dsa_sparse_attention_decode(**a)
+    assert _unchanged(before, a.values())
+    q = a["query"]
+    if q.dim() != 4 or not math.isfinite(a["scale"]) or a.get("cmp_ratio", 1) < 1:
+        return  # refused in Python: no output shape to make
+    out = torch.full((*q.shape[:3], a.get("d_v") or q.shape[3]), 7.0).to(q.dtype)
+    lse = torch.full(q.shape[:3], 7.0)
+    with pytest.raises(ValueError, match=needle):
+        _C.sparse_attention_decode(*handoff(q, a["kv_cache"], a["block_table"], a["context_lens"], a.get("indices"),
+                                            a.get("topk_lens"), a.get("cmp_cache"), a.get("cmp_block_table"),
+                                            a.get("cmp_indices"), a.get("sinks"), out, lse),
+                                   float(a["scale"]), int(a.get("d_v", 0)), int(a.get("window", 0)),
+                                   int(a.get("cmp_ratio", 1)), int(a.get("rope_dim", 0)), a["cache_dtype"],
+                                   bool(a.get("ring", False)), a["cache_dtype"], "cpu", 1)
+    assert (out == 7).all() and (lse == 7).all()
+
+
+# The same for dsa_indexer_decode (a small test_decode.IndexerDecodeCase; block
+# table column 0 is always read, every key of a request being scored).
+DECODE_INDEXER_MUTATIONS = [
+    ("scale", lambda a, c: dict(a, scale=math.inf)),
+    ("topk", lambda a, c: dict(a, topk=0)),
+    ("cmp_ratio", lambda a, c: dict(a, cmp_ratio=0)),
+    ("index_query", lambda a, c: dict(a, index_query=a["index_query"][0])),
+    ("weights", lambda a, c: dict(a, weights=a["weights"][..., :-1])),
+    ("weights", lambda a, c: dict(a, weights=a["weights"].int())),
+    ("key_cache", lambda a, c: dict(a, key_cache=_no_bytes(a["key_cache"]))),
+    ("block_table", lambda a, c: dict(a, block_table=a["block_table"].long())),
+    (r"block_table\[0, 0\]", lambda a, c: _with(a, "block_table", (0, 0), a["key_cache"].shape[0])),
+    ("context_lens", lambda a, c: _with(a, "context_lens", 0,
+                                        (a["block_table"].shape[1] * a["key_cache"].shape[1] + 1) * c.cmp_ratio)),
+    (r"context_lens\[0\]", lambda a, c: _with(a, "context_lens", 0, c.next_n - 1)),
+]
+
+
+@budget(24)
+@given(st.sampled_from(range(len(DECODE_INDEXER_MUTATIONS))), st.sampled_from(["bf16", "fp8", "fp32"]),
+       st.integers(1, 3), st.sampled_from([1, 4]), st.lists(st.integers(4, 40), min_size=1, max_size=3),
+       st.integers(0, 2**16))
+def test_indexer_decode_bad_configurations(which, cache_dtype, next_n, cmp_ratio, ctx, seed):
+    ctx = [max(c, next_n * cmp_ratio) for c in ctx]  # request 0 holds at least one key
+    case = test_decode.IndexerDecodeCase(torch.Generator().manual_seed(seed), cache_dtype, torch.bfloat16, ctx,
+                                         next_n=next_n, heads=2, dim=24, topk=5, block_size=4, cmp_ratio=cmp_ratio,
+                                         scale=0.5, seed=seed)
+    needle, mutate = DECODE_INDEXER_MUTATIONS[which]
+    a = mutate(dict(index_query=case.q, weights=case.w, key_cache=case.cache, block_table=case.table,
+                    context_lens=case.lens, cache_dtype=cache_dtype, **case.kw), case)
+    before = _snapshot(a.values())
+    with pytest.raises(ValueError, match=needle):
+        dsa.dsa_indexer_decode(**a)
+    assert _unchanged(before, a.values())
+    q = a["index_query"]
+    if q.dim() != 4 or not math.isfinite(a["scale"]) or a["topk"] < 1 or a["cmp_ratio"] < 1:
+        return  # refused in Python: no output shape to make
+    indices = torch.full((*q.shape[:2], a["topk"]), 7, dtype=torch.int32)
+    with pytest.raises(ValueError, match=needle):
+        _C.indexer_decode(*handoff(q, a["weights"], a["key_cache"], a["block_table"], a["context_lens"], indices),
+                          a["topk"], float(a["scale"]), a["cmp_ratio"], cache_dtype, "cpu", 1)
+    assert (indices == 7).all()
+
+
+# dsa_compressor_append: a rejected call leaves the caller's state as it was (the
+# op updates it in place), whichever argument was wrong.
+COMPRESSOR_APPEND_MUTATIONS = [
+    ("ratio", lambda a: dict(a, ratio=0)),
+    ("state_kv", lambda a: dict(a, state_kv=a["state_kv"][:, :-1])),
+    ("state_gate", lambda a: dict(a, state_gate=a["state_gate"].double())),
+    ("state_gate", lambda a: dict(a, state_gate=a["state_kv"])),
+    ("lengths", lambda a: _with(a, "lengths", 0, -1)),
+    ("lengths", lambda a: dict(a, lengths=a["lengths"][:-1])),
+    ("new_lens", lambda a: dict(a, new_lens=torch.full_like(a["lengths"], a["kv"].shape[1] + 1))),
+    ("gate", lambda a: dict(a, gate=a["gate"][:, :, :-1])),
+    ("kv", lambda a: dict(a, kv=a["kv"][0])),
+    ("position_bias", lambda a: dict(a, position_bias=a["position_bias"][:-1])),
+]
+
+
+@budget(20)
+@given(st.sampled_from(range(len(COMPRESSOR_APPEND_MUTATIONS))), st.sampled_from([(4, True), (3, False)]),
+       st.lists(st.integers(0, 20), min_size=1, max_size=3), st.integers(1, 5), st.integers(0, 2**16))
+def test_compressor_append_bad_configurations_leave_the_state(which, mode, held, n, seed):
+    ratio, overlap = mode
+    C = 2 * 6 if overlap else 6
+    kv, gate, bias = test_compressor.make_inputs((len(held), n), C, ratio, torch.float32, seed=seed)
+    state_kv, state_gate = (torch.randn(len(held), (2 if overlap else 1) * ratio, C,
+                                        generator=torch.Generator().manual_seed(seed + i)) for i in range(2))
+    needle, mutate = COMPRESSOR_APPEND_MUTATIONS[which]
+    a = mutate(dict(kv=kv, gate=gate, position_bias=bias, state_kv=state_kv, state_gate=state_gate,
+                    lengths=torch.tensor(held), ratio=ratio, overlap=overlap))
+    before = _snapshot(a.values())
+    with pytest.raises(ValueError, match=needle):
+        dsa_compressor_append(**a)
+    assert _unchanged(before, a.values())
 
 
 def test_decreasing_ends_are_an_error_naming_them():
