@@ -12,8 +12,9 @@
 //              values                                          see cache_token_bytes
 // (V3.2 latent, dim 576 with rope 64: 1152 B bf16, 656 B FP8, FlashMLA's
 // record; an indexer key, dim 128: 256 B bf16, 132 B FP8, DeepGEMM's bytes.)
-// A scale is a power of two, 2^ceil(log2(amax / 448)), so that dequantising is
-// exact in bf16 and fp32.
+// A scale is a power of two, 2^ceil(log2(amax / 448)) (at least 2^-126), so that
+// dequantising is exact in fp32, and in bf16 but for values under 2^-130 (a
+// group of amax below 448 * 2^-126), which bf16 rounds.
 //
 // Token `pos` of request b lives in block block_table[b, pos / block_size] at
 // row pos % block_size. A ring cache (V4's window: only the last `window`

@@ -29,7 +29,7 @@ def values_of(batch, n, dim, seed):
 
 def torch_oracle(values, rope_dim, dtype):
     """What a cache read gives back, written with torch's casts: bf16 rounding, or
-    per group of 128 a power-of-two scale 2^ceil(log2(amax / 448)) and
+    per group of 128 a power-of-two scale 2^ceil(log2(amax / 448)) (at least 2^-126) and
     (x / scale).to(float8_e4m3fn)."""
     if dtype == "fp32":
         return values.clone()
@@ -40,7 +40,9 @@ def torch_oracle(values, rope_dim, dtype):
     for g0 in range(0, nq, 128):
         group = values[..., g0:min(nq, g0 + 128)].double()
         amax = group.abs().amax(-1, keepdim=True)
-        scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 448.0))), torch.ones_like(amax))
+        # At least 2^-126 (docs/serving.md): 1 / scale stays a finite fp32.
+        scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 448.0))).clamp(min=2.0 ** -126),
+                            torch.ones_like(amax))
         q = (group / scale).float().to(torch.float8_e4m3fn)
         out[..., g0:min(nq, g0 + 128)] = q.double() * scale
     out[..., nq:] = values[..., nq:].to(torch.bfloat16).double()

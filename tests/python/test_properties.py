@@ -31,6 +31,7 @@ import test_compressor_append
 import test_decode
 import test_indexer
 import test_kl_loss
+import test_paged_cache
 import test_sparse_attention
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -369,6 +370,82 @@ def test_sparse_attention_decode_matches_oracle(case):
     call = test_decode.AttentionDecodeCase(torch.Generator().manual_seed(c["seed"]), c.pop("mode"),
                                            c.pop("cache_dtype"), c.pop("qdtype"), c.pop("ctx"), **c)
     test_decode.check_attention_rule(call, {backend: call.call(backend=backend) for backend in ("cpu", "reference")})
+
+
+# -------------------------------------------------------------- paged caches
+
+@st.composite
+def cache_write_cases(draw):
+    """A paged cache of random bytes written by a few calls, as a prompt and then
+    decode steps write it: random record layouts (dims 1-600, rope part 0 to all of
+    it, short last FP8 scale groups), block sizes 1-64, 1-3 requests whose tokens
+    land in a shuffled block table, rows skipped with -1, values of magnitudes
+    2^-20..2^20 and zero rows, fp32 or bf16 values."""
+    dtype = draw(st.sampled_from(["fp32", "bf16", "fp8"]))
+    dim = draw(st.sampled_from([1, 7, 64, 128, 129, 300, 576]))
+    rope = draw(st.sampled_from(sorted({0, min(dim, 1), min(dim, 64), dim})))
+    lens = [draw(st.integers(0, 50)) for _ in range(draw(st.integers(1, 3)))]
+    calls = draw(st.lists(st.integers(1, 30), min_size=1, max_size=4))
+    return dict(dtype=dtype, dim=dim, rope=rope, lens=lens, calls=calls, block_size=draw(st.sampled_from([1, 5, 16, 64])),
+                values_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+                skip=draw(st.floats(0.0, 0.5)), exponent=draw(st.sampled_from([0, 0, -110, -125, -135, 100])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@budget(24)
+@given(cache_write_cases())
+def test_cache_write_and_gather_match_torch(case):
+    """Both backends write the same bytes, touch no slot they were not asked to,
+    and read back torch's own rounding of each written row (test_paged_cache's
+    oracle) bit for bit, in fp32 and, where that is exact, in bf16."""
+    g = torch.Generator().manual_seed(case["seed"])
+    dtype, dim, rope, bs, lens = case["dtype"], case["dim"], case["rope"], case["block_size"], case["lens"]
+    B, n = len(lens), max(lens)
+    width = max(1, -(-n // bs))
+    blocks = B * width + 2
+    table = test_paged_cache.shuffled_table(B, width, blocks, seed=case["seed"])
+    tokens = dsa.cache_token_bytes(dim, rope, dtype)
+    noise = torch.randint(0, 256, (blocks, bs, tokens), generator=g, dtype=torch.uint8)
+    values = test_paged_cache.values_of(B, n, dim, seed=case["seed"])
+    values[:, ::7] = 0  # all-zero rows: an FP8 scale of 1
+    values *= 2.0 ** case["exponent"]  # down to fp32's subnormals, up near its largest
+    values = values.to(case["values_dtype"])
+    # The calls' positions: a slice of each request's tokens per call, some rows -1.
+    order = torch.arange(n).repeat(B, 1)
+    keep = torch.rand(B, n, generator=g) >= case["skip"]
+    for b, L in enumerate(lens):
+        keep[b, L:] = False
+    cuts = sorted({0, n} | {min(n, c) for c in torch.tensor(case["calls"]).cumsum(0).tolist()})
+    caches = {}
+    for backend in ("cpu", "reference"):
+        cache = noise.clone()
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            pos = torch.where(keep[:, lo:hi], order[:, lo:hi], -1)
+            dsa.dsa_cache_write(cache, table, pos, values[:, lo:hi], rope_dim=rope, dtype=dtype, backend=backend)
+        caches[backend] = cache
+    assert torch.equal(caches["cpu"], caches["reference"])
+    cache = caches["cpu"]
+    # No slot outside the written ones changed.
+    written = torch.zeros(blocks, bs, dtype=torch.bool)
+    for b in range(B):
+        for p in order[b][keep[b]].tolist():
+            written[table[b, p // bs], p % bs] = True
+    assert torch.equal(cache[~written], noise[~written])
+    # Read back: the written rows as torch rounds them.
+    pos = torch.where(keep, order, -1)
+    want = test_paged_cache.torch_oracle(values.float(), rope, dtype)
+    want[~keep] = 0
+    for backend in ("cpu", "reference"):
+        back = dsa.dsa_cache_gather(cache, table, pos, dim=dim, rope_dim=rope, dtype=dtype, backend=backend)
+        assert torch.equal(back, want), backend
+        # In bf16: the same values rounded once (exact but for FP8 values under 2^-130,
+        # which only a group whose scale stops at 2^-126 holds; docs/serving.md).
+        back16 = dsa.dsa_cache_gather(cache, table, pos, dim=dim, rope_dim=rope, dtype=dtype,
+                                      out_dtype=torch.bfloat16, backend=backend)
+        assert torch.equal(back16, want.bfloat16()), backend
+        if dtype != "fp32":
+            tiny = (want != 0) & (want.abs() < 2.0 ** -130)
+            assert torch.equal(back16.float()[~tiny], want[~tiny]), backend
 
 
 # ------------------------------------------------------------ bad configurations
