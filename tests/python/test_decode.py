@@ -221,9 +221,13 @@ def check_attention_rule(case, results):
     """Each (out, lse) of `results` {what: (out, lse)} for `case` under docs/testing.md's
     rule against the float64 oracle on the rows the cache holds; the peer is the same
     attention in plain torch, in the dtype the op computes in."""
-    qdtype = case.q.dtype
     want, want_lse = case.expected()
-    peer = case.expected(torch_dtype(case.cache_dtype, qdtype))[0]
+    peer = case.expected(torch_dtype(case.cache_dtype, case.q.dtype))[0]
+    assert_attention_rule(want, want_lse, peer, case.q.dtype, results)
+
+
+def assert_attention_rule(want, want_lse, peer, qdtype, results):
+    """check_attention_rule on the float64 oracle's (out, lse) and the peer's out."""
     peer_err = (peer.to(qdtype).double() - want).abs().max().item()
     limit = _tolerance.bound(qdtype == torch.float32, want.abs().max().item(), peer_err)
     fin = torch.isfinite(want_lse)
@@ -305,6 +309,8 @@ def test_sparse_attention_decode_batch_one_uses_every_thread_with_the_same_bits(
     keys = gathered(cache, table, ctx[0], dim=D, rope_dim=64, dtype="fp8", out_dtype=torch.float32)
     want, want_lse = oracle_attention(q[0, 0].float(), keys[idx[0, 0].long()], dv, D ** -0.5)
     torch.testing.assert_close(outs[0][0][0, 0].double(), want, atol=2e-2, rtol=2e-2)
+    peer = oracle_attention(q[0, 0].float(), keys[idx[0, 0].long()], dv, D ** -0.5, dtype=torch.bfloat16)[0]
+    assert_attention_rule(want, want_lse, peer, q.dtype, {"every thread count": (outs[0][0][0, 0], outs[0][1][0, 0])})
 
 
 def test_decode_errors_name_the_argument():
