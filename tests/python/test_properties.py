@@ -386,7 +386,8 @@ def cache_write_cases(draw):
     rope = draw(st.sampled_from(sorted({0, min(dim, 1), min(dim, 64), dim})))
     lens = [draw(st.integers(0, 50)) for _ in range(draw(st.integers(1, 3)))]
     calls = draw(st.lists(st.integers(1, 30), min_size=1, max_size=4))
-    return dict(dtype=dtype, dim=dim, rope=rope, lens=lens, calls=calls, block_size=draw(st.sampled_from([1, 5, 16, 64])),
+    return dict(dtype=dtype, dim=dim, rope=rope, lens=lens, calls=calls,
+                block_size=draw(st.sampled_from([1, 5, 16, 64])),
                 values_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
                 skip=draw(st.floats(0.0, 0.5)), exponent=draw(st.sampled_from([0, 0, -110, -125, -135, 100])),
                 seed=draw(st.integers(0, 2**16)))
