@@ -142,17 +142,18 @@ class AttentionDecodeCase:
     a compressed cache, sinks). `kw` holds the call's keywords."""
 
     def __init__(self, g, mode, cache_dtype, qdtype, ctx, *, next_n, heads, dim, d_v, rope, block_size, topk,
-                 ratio, window, cmp_topk, seed):
+                 ratio, window, cmp_topk, seed, q_exponent=0, key_exponent=0):
         B, D, bs = len(ctx), dim, block_size
         self.ctx, self.next_n, self.dim, self.d_v, self.rope, self.cache_dtype = ctx, next_n, D, d_v, rope, cache_dtype
         self.v4 = v4 = mode.startswith("v4")
         self.ratio = ratio if v4 else 1
         self.window = window if mode == "window" or v4 else None
         self.ring_rows = ((window - 1 + bs - 1) // bs + 1 + (next_n + bs - 1) // bs) * bs if v4 else None
-        self.cache, self.table = paged([torch.randn(c, D, generator=g) for c in ctx], rope_dim=rope,
+        kscale = 2.0 ** key_exponent  # magnitudes: queries and keys scaled by powers of two
+        self.cache, self.table = paged([torch.randn(c, D, generator=g) * kscale for c in ctx], rope_dim=rope,
                                        dtype=cache_dtype, block_size=bs, seed=seed,
                                        ring_width=self.ring_rows // bs if v4 else None)
-        self.q = torch.randn(B, next_n, heads, D, generator=g).to(qdtype)
+        self.q = (torch.randn(B, next_n, heads, D, generator=g) * 2.0 ** q_exponent).to(qdtype)
         self.lens = torch.tensor(ctx, dtype=torch.int64)
         self.kw = kw = dict(scale=D ** -0.5, d_v=d_v, rope_dim=rope, cache_dtype=cache_dtype)
         self.idx = self.topk_lens = self.cmp_cache = self.cmp_table = self.cmp_idx = self.sinks = None
@@ -166,7 +167,7 @@ class AttentionDecodeCase:
         if self.window is not None:
             kw.update(window=self.window, ring=v4)
         if v4:
-            self.cmp_cache, self.cmp_table = paged([torch.randn(c // ratio, D, generator=g) for c in ctx],
+            self.cmp_cache, self.cmp_table = paged([torch.randn(c // ratio, D, generator=g) * kscale for c in ctx],
                                                    rope_dim=rope, dtype=cache_dtype, block_size=bs, seed=seed + 1)
             self.sinks = torch.randn(heads, generator=g)
             kw.update(cmp_cache=self.cmp_cache, cmp_block_table=self.cmp_table, cmp_ratio=ratio, sinks=self.sinks)

@@ -344,7 +344,9 @@ def test_compressor_append_matches_oracle(case):
 def decode_attention_cases(draw):
     """test_decode.AttentionDecodeCase's arguments: every mode and cache / query dtype
     pair, block sizes 4-64, 1-3 requests of ragged length, next_n 1-4, heads 1-16, rope
-    on or off, d_v below the key's nope part, top-k / window / cmp top-k from 1 up."""
+    on or off, d_v below the key's nope part, top-k / window / cmp top-k from 1 up;
+    queries and keys scaled by 2^-120..2^60 (keys near fp32's subnormals: FP8
+    groups whose scale stops at 2^-126; logits near 2^100)."""
     mode = draw(st.sampled_from(test_decode.MODES))
     cache_dtype, qdtype = draw(st.sampled_from(test_decode.ATTENTION_DTYPES))
     rope = draw(st.sampled_from([0, 16]))
@@ -357,7 +359,9 @@ def decode_attention_cases(draw):
                 d_v=draw(st.sampled_from([nope, min(nope, 16)])), heads=draw(st.sampled_from([1, 3, 16])),
                 block_size=draw(st.sampled_from([4, 16, 64])), next_n=next_n, ratio=ratio, ctx=ctx,
                 topk=draw(st.sampled_from([1, 7, 40])), window=draw(st.sampled_from([1, 5, 24])),
-                cmp_topk=draw(st.integers(1, 12)), seed=draw(st.integers(0, 2**16)))
+                cmp_topk=draw(st.integers(1, 12)), seed=draw(st.integers(0, 2**16)),
+                q_exponent=draw(st.sampled_from([0, 0, -60, 40])),
+                key_exponent=draw(st.sampled_from([0, 0, -120, -60, 60])))
 
 
 @budget(20)
