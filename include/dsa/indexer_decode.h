@@ -41,7 +41,8 @@ struct IndexerDecodeParams {
 //   context_lens  [B] int32 or int64, each >= next_n
 //   indices       [B, next_n, topk] int32, contiguous, written
 // bf16 queries over a bf16 or FP8 cache are scored in bf16 (FP8 codes times
-// their power-of-two scales are bf16 values exactly); anything else in fp32.
+// their power-of-two scales are bf16 values exactly, but for values under 2^-130:
+// docs/serving.md); anything else in fp32.
 void indexer_decode(const TensorView& index_query, const TensorView& weights, const TensorView& key_cache,
                     const TensorView& block_table, const TensorView& context_lens,
                     const IndexerDecodeParams& params, const TensorView& indices,

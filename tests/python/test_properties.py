@@ -455,13 +455,14 @@ def test_cache_write_and_gather_match_torch(case):
 
 # ------------------------------------------------------------ bad configurations
 
-def _snapshot(tensors):
-    return [t.clone() for t in tensors if isinstance(t, torch.Tensor)]
-
-
-def _unchanged(before, tensors):
-    after = [t for t in tensors if isinstance(t, torch.Tensor)]
-    return len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+def _refused(needle, call, tensors):
+    """call() raises ValueError naming `needle` and leaves every tensor among `tensors`
+    as it was."""
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    before = [t.clone() for t in tensors]
+    with pytest.raises(ValueError, match=needle):
+        call()
+    assert all(torch.equal(a, b) for a, b in zip(before, tensors))
 
 
 # Each mutation turns one valid sparse-attention call (make_case's inputs and
@@ -505,11 +506,9 @@ def _bad_attention_call(lens, dtype, which, seed):
 def test_sparse_attention_bad_configurations(lens, dtype, which, seed):
     _, _, bad_inputs, bad_kw, needle = _bad_attention_call(lens, dtype, which, seed)
     everything = list(bad_inputs.values()) + list(bad_kw.values())
-    before = _snapshot(everything)
     rest = {k: v for k, v in bad_inputs.items() if k not in ("query", "kv")}
-    with pytest.raises(ValueError, match=needle):
-        dsa.dsa_sparse_attention(bad_inputs["query"], bad_inputs["kv"], **rest, **bad_kw)
-    assert _unchanged(before, everything)
+    _refused(needle, lambda: dsa.dsa_sparse_attention(bad_inputs["query"], bad_inputs["kv"], **rest, **bad_kw),
+             everything)
 
 
 # The same through the C++ boundary with caller-owned outputs: validation ends
@@ -552,10 +551,7 @@ def test_indexer_bad_configurations_leave_outputs_untouched(lens, which, seed):
     q, k, w, kwargs = test_indexer.make_inputs(case, torch.float32, seed=seed)
     needle, mutate = INDEXER_MUTATIONS[which]
     q2, k2, w2, a = mutate(q, k, w, kwargs)
-    before = _snapshot([q2, k2, w2])
-    with pytest.raises(ValueError, match=needle):
-        dsa.dsa_indexer(q2, k2, w2, **a)
-    assert _unchanged(before, [q2, k2, w2])
+    _refused(needle, lambda: dsa.dsa_indexer(q2, k2, w2, **a), [q2, k2, w2])
     if isinstance(a["topk"], int) and a["topk"] > 0:  # a topk <= 0 has no output tensor to make
         indices = torch.full((q.shape[0], a["topk"]), 7, dtype=torch.int32)
         scores = torch.full((q.shape[0], a["topk"]), 7.0)
@@ -573,7 +569,8 @@ COMPRESSOR_MUTATIONS = [
     # One row more (one fewer would be no change at all when kv is empty).
     ("gate", lambda kv, g, b, a: (kv, torch.cat([g, g.new_zeros(1, g.shape[1])]), b, a)),
     ("gate", lambda kv, g, b, a: (kv, g.double(), b, a)),
-    ("query_lengths", lambda kv, g, b, a: (kv, g, b, dict(a, query_lengths=a["query_lengths"][:-1] + [kv.shape[0] + 1]))),
+    ("query_lengths",
+     lambda kv, g, b, a: (kv, g, b, dict(a, query_lengths=a["query_lengths"][:-1] + [kv.shape[0] + 1]))),
     ("kv", lambda kv, g, b, a: (kv[:, :-1], g[:, :-1], b[:, :-1], dict(a, overlap=True))),
 ]
 
@@ -587,10 +584,7 @@ def test_compressor_bad_configurations(raw, which, seed):
     kv, gate, bias = test_compressor.make_inputs((ends[-1],), 8, ratio, torch.float32, seed=seed)
     needle, mutate = COMPRESSOR_MUTATIONS[which]
     kv2, g2, b2, a = mutate(kv, gate, bias, dict(ratio=ratio, overlap=True, query_lengths=ends))
-    before = _snapshot([kv2, g2, b2])
-    with pytest.raises(ValueError, match=needle):
-        dsa.dsa_compressor(kv2, g2, b2, **a)
-    assert _unchanged(before, [kv2, g2, b2])
+    _refused(needle, lambda: dsa.dsa_compressor(kv2, g2, b2, **a), [kv2, g2, b2])
 
 
 def _with(a, name, at, value):
@@ -661,10 +655,7 @@ def test_sparse_attention_decode_bad_configurations(drawn):
     needle, _, mutate = DECODE_ATTENTION_MUTATIONS[which]
     a = mutate(dict(query=case.q, kv_cache=case.cache, block_table=case.table, context_lens=case.lens, **case.kw),
                case)
-    before = _snapshot(a.values())
-    with pytest.raises(ValueError, match=needle):
-        dsa.dsa_sparse_attention_decode(**a)
-    assert _unchanged(before, a.values())
+    _refused(needle, lambda: dsa.dsa_sparse_attention_decode(**a), a.values())
     q = a["query"]
     if q.dim() != 4 or not math.isfinite(a["scale"]) or a.get("cmp_ratio", 1) < 1:
         return  # refused in Python: no output shape to make
@@ -710,10 +701,7 @@ def test_indexer_decode_bad_configurations(which, cache_dtype, next_n, cmp_ratio
     needle, mutate = DECODE_INDEXER_MUTATIONS[which]
     a = mutate(dict(index_query=case.q, weights=case.w, key_cache=case.cache, block_table=case.table,
                     context_lens=case.lens, cache_dtype=cache_dtype, **case.kw), case)
-    before = _snapshot(a.values())
-    with pytest.raises(ValueError, match=needle):
-        dsa.dsa_indexer_decode(**a)
-    assert _unchanged(before, a.values())
+    _refused(needle, lambda: dsa.dsa_indexer_decode(**a), a.values())
     q = a["index_query"]
     if q.dim() != 4 or not math.isfinite(a["scale"]) or a["topk"] < 1 or a["cmp_ratio"] < 1:
         return  # refused in Python: no output shape to make
@@ -752,10 +740,7 @@ def test_compressor_append_bad_configurations_leave_the_state(which, mode, held,
     needle, mutate = COMPRESSOR_APPEND_MUTATIONS[which]
     a = mutate(dict(kv=kv, gate=gate, position_bias=bias, state_kv=state_kv, state_gate=state_gate,
                     lengths=torch.tensor(held), ratio=ratio, overlap=overlap))
-    before = _snapshot(a.values())
-    with pytest.raises(ValueError, match=needle):
-        dsa_compressor_append(**a)
-    assert _unchanged(before, a.values())
+    _refused(needle, lambda: dsa_compressor_append(**a), a.values())
 
 
 def test_decreasing_ends_are_an_error_naming_them():

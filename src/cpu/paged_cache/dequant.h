@@ -1,5 +1,6 @@
 // Records to bf16 for the decode kernels: an FP8 record's codes times their
-// power-of-two scales are bf16 values exactly, so a decode kernel scores FP8
+// power-of-two scales are bf16 values exactly (but for values under 2^-130, in a
+// group whose scale stops at 2^-126: rounded once), so a decode kernel scores FP8
 // keys with the bf16 kernels after this one pass per key (every head then
 // reads the bf16 row). One kernel per ISA (cpu/select.h); all write the bits
 // core::float_to_bf16 gives for e4m3_table()[code] * scale, NaN included.
