@@ -33,17 +33,21 @@ struct PagedFixture {
     table.assign(ids.begin(), ids.begin() + batch * width);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     for (std::int64_t b = 0; b < batch; ++b) {
-      const std::int64_t n = lens[b];
-      std::vector<float> values(n * l.dim);
+      std::vector<float> values(lens[b] * l.dim);
       for (auto& v : values) v = normal(rng);
-      std::vector<std::int32_t> pos(n);
-      for (std::int64_t i = 0; i < n; ++i) pos[i] = static_cast<std::int32_t>(i);
-      dsa::CacheWriteParams params;
-      params.layout = l;
-      dsa::cache_write(cache_view(), dsa::make_view(table.data() + b * width, dsa::DType::i32, {1, width}),
-                       dsa::make_view(pos.data(), dsa::DType::i32, {1, n}),
-                       dsa::make_view(values.data(), dsa::DType::f32, {1, n, l.dim}), params);
+      write(b, 0, values);
     }
+  }
+  // Writes rows [first, first + values / dim) of request b.
+  void write(std::int64_t b, std::int64_t first, std::vector<float> values) {
+    const std::int64_t n = static_cast<std::int64_t>(values.size()) / layout.dim;
+    std::vector<std::int32_t> pos(n);
+    for (std::int64_t i = 0; i < n; ++i) pos[i] = static_cast<std::int32_t>(first + i);
+    dsa::CacheWriteParams params;
+    params.layout = layout;
+    dsa::cache_write(cache_view(), dsa::make_view(table.data() + b * width, dsa::DType::i32, {1, width}),
+                     dsa::make_view(pos.data(), dsa::DType::i32, {1, n}),
+                     dsa::make_view(values.data(), dsa::DType::f32, {1, n, layout.dim}), params);
   }
   dsa::TensorView cache_view() {
     return dsa::make_view(cache.data(), dsa::DType::u8, {blocks, block_size, dsa::cache_token_bytes(layout)});

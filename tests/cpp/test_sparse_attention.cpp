@@ -531,16 +531,19 @@ TEST_P(SparseAttentionModes, NanInTheInputsReachesWhatItReachesInTheReference) {
   for (Config c : {indices, window, compressed}) {
     c.dtype = dtype();
     enum Where { kQuery, kKv, kCmpKv };
-    for (Where where : {kQuery, kKv, kCmpKv}) {
+    // An infinite element makes logits +-inf: a +inf one takes the max and its exp(inf - inf)
+    // is NaN; a -inf one weighs exactly 0, and its row's infinite value makes 0 * inf = NaN.
+    for (Where where : {kQuery, kKv, kCmpKv})
+    for (float special : {NAN, INFINITY, -INFINITY}) {
       if (where == kCmpKv && c.ratio == 1) continue;
-      SCOPED_TRACE("dim " + std::to_string(c.dim) + ", NaN in " +
+      SCOPED_TRACE("dim " + std::to_string(c.dim) + ", " + std::to_string(special) + " in " +
                    (where == kQuery ? "query" : where == kKv ? "kv" : "cmp_kv"));
       Problem p = build(c, 11);
       Buffer& target = where == kQuery ? p.query : where == kKv ? p.kv : p.cmp_kv;
       // query: row 3, head 1 (all of that head's logits); kv: row 20
       // (attended in a later key block); cmp_kv: entry 2.
       const std::int64_t at = where == kQuery ? (3 * c.heads + 1) * c.dim + 5 : where == kKv ? 20 * c.dim + 2 : 2 * c.dim + 7;
-      core::store_float(target.bytes.data(), c.dtype, at, NAN);
+      core::store_float(target.bytes.data(), c.dtype, at, special);
       const Results fused = run(p, Backend::cpu, 2), ref = run(p, Backend::reference, 1);
       const double rtol = c.dtype == DType::f32 ? 1e-4 : 2e-2, atol = c.dtype == DType::f32 ? 1e-5 : 1e-3;
       expect_same_nans(fused.out, ref.out, rtol, atol, "out");
@@ -571,7 +574,7 @@ INSTANTIATE_TEST_SUITE_P(
                                          static_cast<int>(core::Isa::amx), kPairForwardOnBf16Dots)));
 
 TEST(SparseAttention, SinkExtremes) {
-  for (float sink : {-INFINITY, 0.0f, 60.0f}) {
+  for (float sink : {-INFINITY, 0.0f, 60.0f, INFINITY}) {  // +inf: all the mass to the sink, outputs 0
     Config c = tnd({12}, {12});
     c.heads = 2;
     c.dim = 16;

@@ -23,10 +23,15 @@ struct Result {
   std::vector<float> lse;
 };
 
+// Where a non-finite value goes (none: finite data).
+enum class Poison { none, query, key, cmp_key, sink };
+
 struct Case {
   CacheDType cache;
   bool v4;
   std::int64_t next_n;
+  Poison poison = Poison::none;
+  float special = 0.0f;
 };
 
 Result run(const Case& c, dsa::Backend backend, int threads) {
@@ -49,6 +54,15 @@ Result run(const Case& c, dsa::Backend backend, int threads) {
   std::vector<std::int64_t> ctx = lens;
   std::vector<float> sinks(H);
   for (std::int64_t h = 0; h < H; ++h) sinks[h] = 0.25f * static_cast<float>(h) - 2.0f;
+  // One element of request 1's rows 640-659 (of 700: in V4's window, and surely in
+  // some V3.2 rows' top-k), of its compressed entries 90-109, of its first query row,
+  // or of a sink.
+  std::vector<float> rows(20 * D, 0.5f);
+  for (std::int64_t r = 0; r < 20; ++r) rows[r * D + 3] = c.special;
+  if (c.poison == Poison::key) kv.write(1, 640, rows);
+  if (c.poison == Poison::cmp_key) cmp.write(1, 90, rows);
+  if (c.poison == Poison::query) q[(1 * c.next_n * H + 2) * D + 7] = dsa::core::float_to_bf16(c.special);
+  if (c.poison == Poison::sink) sinks[2] = c.special;
 
   dsa::SparseAttentionDecodeInputs in;
   in.query = dsa::make_view(q.data(), DType::bf16, {B, c.next_n, H, D});
@@ -98,6 +112,50 @@ TEST(SparseAttentionDecode, EveryIsaMatchesTheReferenceWithTheSameBitsForAnyThre
       for (std::size_t i = 0; i < ref.lse.size(); ++i) EXPECT_NEAR(one.lse[i], ref.lse[i], 1e-3) << i;
     }
   }
+}
+
+// Non-finite data reaches on every ISA path what it reaches in the reference:
+// NaN and infinities in the same places, the numbers close. An infinite key
+// element gives +-inf logits: +inf takes the max (exp(inf - inf) is NaN), -inf
+// weighs exactly 0 and its infinite value makes 0 * inf = NaN; a +inf sink
+// takes all the mass (outputs 0), a NaN one makes its head NaN.
+TEST(SparseAttentionDecode, NonFiniteDataReachesWhatItReachesInTheReference) {
+  const auto same = [](float x, float y, double tol, const char* what, std::size_t i) {
+    ASSERT_EQ(std::isnan(x), std::isnan(y)) << what << " at " << i << ": " << x << " vs " << y;
+    if (std::isinf(x) || std::isinf(y)) {
+      ASSERT_EQ(x, y) << what << " at " << i;
+    } else if (!std::isnan(y)) {
+      ASSERT_NEAR(x, y, tol) << what << " at " << i;
+    }
+  };
+  for (const Case base : {Case{CacheDType::bf16, false, 2}, Case{CacheDType::fp8_e4m3, true, 1},
+                          Case{CacheDType::f32, true, 2}})
+    for (Poison poison : {Poison::query, Poison::key, Poison::cmp_key, Poison::sink})
+      for (float special : {NAN, INFINITY, -INFINITY}) {
+        if (!base.v4 && (poison == Poison::cmp_key || poison == Poison::sink)) continue;
+        Case c = base;
+        c.poison = poison;
+        c.special = special;
+        const Result ref = run(c, dsa::Backend::reference, 1);
+        std::size_t nonfinite = 0;
+        for (std::size_t i = 0; i < ref.out.size(); ++i)
+          nonfinite += !std::isfinite(dsa::core::bf16_to_float(ref.out[i]));
+        // What reaches no output: a -inf sink (no sink) and a +inf one (zeros).
+        const bool reaches = !(poison == Poison::sink && !std::isnan(special));
+        EXPECT_EQ(nonfinite > 0, reaches) << static_cast<int>(poison) << " " << special;
+        for (dsa::core::Isa isa : dsa_testing::distinct_paths()) {
+          dsa_testing::IsaLimit limit(isa);
+          SCOPED_TRACE(std::string(dsa::core::isa_name(isa)) + (c.v4 ? " v4" : " v32") + " cache " +
+                       dsa::cache_dtype_name(c.cache) + " poison " + std::to_string(static_cast<int>(poison)) +
+                       " value " + std::to_string(special));
+          const Result one = run(c, dsa::Backend::cpu, 1);
+          for (std::size_t i = 0; i < ref.out.size() && !HasFatalFailure(); ++i)
+            same(dsa::core::bf16_to_float(one.out[i]), dsa::core::bf16_to_float(ref.out[i]), 2e-2, "out", i);
+          for (std::size_t i = 0; i < ref.lse.size() && !HasFatalFailure(); ++i)
+            same(one.lse[i], ref.lse[i], 1e-3, "lse", i);
+          if (HasFatalFailure()) return;
+        }
+      }
 }
 
 }  // namespace

@@ -288,6 +288,57 @@ def test_sparse_attention_decode_against_prefill_oracle_and_reference(mode, cach
         torch.testing.assert_close(out[b].to(kdt), pre_out, **tol)
 
 
+def poison(case, where, value):
+    """Puts `value` into one element of request 1's query row, of 3 of its cached raw
+    rows (the newest, in every mode's reach), of 3 compressed rows, or of sink 1."""
+    if where == "query":
+        case.q[1, 1, 2, 7] = value
+    elif where == "sink":
+        case.sinks[1] = value
+    else:
+        cmp = where == "cmp_kv"
+        keys = case.keys(1)[1 if cmp else 0]
+        cache, table = (case.cmp_cache, case.cmp_table) if cmp else (case.cache, case.table)
+        for p in ((0, 3, 10) if cmp else (case.ctx[1] - 1, case.ctx[1] - 5, case.ctx[1] - 30)):
+            row = keys[p].clone()
+            row[3] = value
+            dsa_cache_write(cache, table[1:2], torch.tensor([[p]], dtype=torch.int32), row.view(1, 1, -1),
+                            rope_dim=case.rope, dtype=case.cache_dtype, ring=case.v4 and not cmp)
+
+
+@pytest.mark.parametrize("mode,where", [(m, w) for m in MODES for w in ("query", "kv", "cmp_kv", "sink")
+                                         if m.startswith("v4") or w in ("query", "kv")])
+def test_non_finite_data_lands_where_the_oracle_puts_it(mode, where):
+    """NaN and +-inf in a query, cached rows or a sink: both backends put NaN and
+    infinities in out and lse exactly where the float64 oracle on the cached rows
+    does, the rest under docs/testing.md's rule. Found by it: an infinite key element
+    against a query of the other sign (logit -inf) weighed exp(-87) on the vector
+    paths, so its value made the output inf, not NaN; and a +inf sink made the fused
+    head NaN where the mass all goes to the sink (outputs 0)."""
+    for cache_dtype, qdtype in [("bf16", torch.bfloat16), ("fp8", torch.bfloat16), ("fp32", torch.float32)]:
+        for value in (math.nan, math.inf, -math.inf):
+            g = torch.Generator().manual_seed(MODES.index(mode))
+            case = AttentionDecodeCase(g, mode, cache_dtype, qdtype, [5, 75, 300], next_n=2, heads=4, dim=96, d_v=64,
+                                       rope=32, block_size=16, topk=40, ratio=4, window=24, cmp_topk=12, seed=3)
+            poison(case, where, value)
+            want, want_lse = case.expected()
+            bad = ~torch.isfinite(want)
+            if where == "sink" and not math.isnan(value):  # -inf: no sink; +inf: the head's outputs are 0
+                assert not bad.any() and (value < 0 or not want[:, :, 1].any())
+            else:
+                assert bad.any(), "the case must reach an output"
+            for backend in ("cpu", "reference"):
+                out, lse = case.call(backend=backend)
+                what = (backend, cache_dtype, value)
+                for got, exp in ((out.double(), want), (lse.double(), want_lse)):
+                    assert torch.equal(torch.isnan(got), torch.isnan(exp)), what
+                    inf = torch.isinf(exp)
+                    assert torch.equal(torch.isinf(got), inf) and torch.equal(got[inf], exp[inf]), what
+                fin = ~bad
+                torch.testing.assert_close(out.double()[fin], want[fin], atol=2e-2 if qdtype == torch.bfloat16
+                                           else 2e-5, rtol=2e-2 if qdtype == torch.bfloat16 else 2e-5)
+
+
 def test_sparse_attention_decode_batch_one_uses_every_thread_with_the_same_bits():
     g = torch.Generator().manual_seed(9)
     H, D, dv, topk = 16, 576, 512, 2048

@@ -211,12 +211,22 @@ def test_nan_reaches_what_it_reaches_in_the_reference(name, where):
         assert torch.equal(torch.isnan(got[key]), torch.isnan(want)), (name, where, key)
 
 
-@pytest.mark.parametrize("sink", [float("-inf"), 0.0, 40.0])
+@pytest.mark.parametrize("sink", [float("-inf"), 0.0, 40.0, float("inf")])
 def test_sink_extremes(sink):
     inputs, kw = make_case("dense", torch.bfloat16, heads=2, dim=16, window=5, sinks=sink,
                            q_lens=(12,), k_lens=(12,))
     check_against_oracle(inputs, kw)
 
+
+def test_a_nan_sink_makes_its_head_nan():
+    """A NaN sink joins its head's denominator: the head's outputs are NaN on both
+    backends and in the float64 oracle, which had replaced a NaN denominator by 1."""
+    inputs, kw = make_case("dense", torch.float32, heads=2, dim=16, window=5, sinks=0.5, q_lens=(12,), k_lens=(12,))
+    inputs["sinks"][1] = float("nan")
+    oracle = run_oracle(inputs, kw)["out"]
+    assert torch.isnan(oracle[:, 1]).all() and not torch.isnan(oracle[:, 0]).any()
+    for backend in ("cpu", "reference"):
+        assert torch.equal(torch.isnan(run(fused(backend), inputs, kw)["out"]), torch.isnan(oracle)), backend
 
 def test_empty_rows_and_special_indices():
     inputs, kw = make_case("indices", torch.float32, heads=2, dim=8, topk=4, q_lens=(5,), k_lens=(7,))

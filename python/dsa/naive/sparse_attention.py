@@ -99,7 +99,7 @@ def _one_sequence(q, qr, k, kr, ck, idx, cidx, *, scale, d_v, window, cmp_ratio,
     denom = e.sum(dim=-1)
     if sinks is not None:
         denom = denom + torch.exp(sink - shift)
-    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    denom = torch.where(denom == 0, torch.ones_like(denom), denom)  # empty rows; a NaN (sink) stays NaN
     p = e / denom[..., None]
     out = None
     start = 0

@@ -43,6 +43,10 @@ inline Vec vpow2(Vec p, Vec n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
 inline Vec vlive(Vec ref, Vec x) {
   return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(ref, _mm512_set1_ps(core::kNegInf), _CMP_NEQ_OQ), x);
 }
+// y where x is not below lo (NaN x keeps y), else 0.
+inline Vec vzero_below(Vec x, float lo, Vec y) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, vset(lo), _CMP_NLT_UQ), y);
+}
 // Register block of the GEMM: kMr broadcast rows x kNr vectors of C.
 constexpr int kMr = 6, kNr = 4;
 #else
@@ -66,15 +70,14 @@ inline Vec vpow2(Vec p, Vec n) {
 inline Vec vlive(Vec ref, Vec x) {
   return _mm256_and_ps(_mm256_cmp_ps(ref, _mm256_set1_ps(core::kNegInf), _CMP_NEQ_OQ), x);
 }
+// y where x is not below lo (NaN x keeps y), else 0.
+inline Vec vzero_below(Vec x, float lo, Vec y) { return _mm256_and_ps(_mm256_cmp_ps(x, vset(lo), _CMP_NLT_UQ), y); }
 // 16 ymm registers: 12 accumulators, 2 B vectors, 1 broadcast.
 constexpr int kMr = 6, kNr = 2;
 #endif
 
-// exp for the softmax: degree-6 polynomial on the reduced argument (fp32 accurate).
-// The clamp takes x as the second operand of max, which is what max returns
-// when either is NaN: a NaN logit gives a NaN weight, as in the reference.
-inline Vec vexp(Vec x) {
-  x = vmax(vset(-87.0f), x);
+// exp of x in [-87, ~88]: the polynomial itself.
+inline Vec vexp_clamped(Vec x) {
   const Vec n = vround(vmul(x, vset(1.44269504088896341f)));
   Vec r = vfma(n, vset(-0.693145751953125f), x);
   r = vfma(n, vset(-1.428606765330187e-06f), r);
@@ -86,6 +89,16 @@ inline Vec vexp(Vec x) {
   p = vfma(p, r, vset(1.0f));
   p = vfma(p, r, vset(1.0f));
   return vpow2(p, n);
+}
+
+// exp for the softmax: degree-6 polynomial on the reduced argument (fp32 accurate).
+// The clamp takes x as the second operand of max, which is what max returns
+// when either is NaN: a NaN logit gives a NaN weight, as in the reference.
+// Below -87 the weight is exactly 0, not exp(-87): a key whose logit is -inf (an
+// infinite key element against a query of the other sign) must weigh 0, so that
+// its infinite value makes the output NaN (0 * inf), as in the reference, not inf.
+inline Vec vexp(Vec logit) {
+  return vzero_below(logit, -87.0f, vexp_clamped(vmax(vset(-87.0f), logit)));
 }
 
 // ---------------------------------------------------------------------------

@@ -217,15 +217,19 @@ namespace {  // internal linkage: compiled into files built for different ISAs
 // probability mass and gives no value): with the row's max m and sum of
 // exp(logit - m), the denominator is sum * scale_m + sink_term. Both terms are
 // relative to max(m, sink), so a large sink cannot overflow; without a sink
-// (null or -inf) they are 1 and 0. Every attention kernel and the backward's
-// coefficients finish through this one form.
+// (null or -inf) they are 1 and 0; a +inf sink takes all the mass (0 and 1, the
+// limit, where exp(sink - top) would be NaN), unless a logit is +inf too. Every
+// attention kernel and the backward's coefficients finish through this one form.
 struct SinkShare {
   float scale_m = 1.0f, sink_term = 0.0f;
 };
 
 inline SinkShare sink_share(float m, const float* sinks, std::int64_t h) {
   SinkShare out;
-  if (sinks && sinks[h] != core::kNegInf) {
+  if (sinks && sinks[h] == core::kPosInf && m != core::kPosInf) {
+    out.scale_m = 0.0f;
+    out.sink_term = 1.0f;
+  } else if (sinks && sinks[h] != core::kNegInf) {
     const float top = std::max(m, sinks[h]);
     out.scale_m = std::exp(m - top);
     out.sink_term = std::exp(sinks[h] - top);
