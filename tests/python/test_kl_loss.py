@@ -341,9 +341,12 @@ def test_nan_in_an_indexer_input_reaches_the_loss(key):
     td.view(td.shape[0], -1)[20, 0] = float("nan")  # a single one: row 20 (key 20) is counted
     xd[key] = td
     dense = {b: run_dense(xd, torch.float32, backend=b) for b in BACKENDS}
+    # The float64 oracles too (the dense one had dropped a NaN lse row as empty).
+    runs["oracle"] = run_sparse(x, naive_kl_loss, torch.float64, **kw)
+    dense["oracle"] = run_dense(xd, torch.float64)
     for what, got in (("sparse", runs), ("dense", dense)):
         loss = 0 if what == "sparse" else 1
-        for b in BACKENDS:
+        for b in BACKENDS + ["oracle"]:
             assert torch.isnan(got[b][loss]), (what, b, key)
         for ref, cpu in zip(got["reference"][loss + 1:], got["cpu"][loss + 1:]):
             assert not (torch.isnan(ref) & ~torch.isnan(cpu)).any(), (what, key)

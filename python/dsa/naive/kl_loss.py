@@ -197,10 +197,10 @@ def naive_dense_indexer_kl_loss(index_query, index_key, head_weights, query, key
         P = torch.where(head_ok[..., None] & mask[None], P, torch.zeros_like(P))
         p = P.sum(0) / H
         row_lse = lse[rows].to(acc)
-        row_ok = torch.isfinite(row_lse) & (vis > 0)
+        row_ok = ~torch.isposinf(row_lse) & (vis > 0)  # +inf: no visible key; a NaN lse row counts
         score = _indexer_scores(iq[rows], ik[c0:c0 + lk], w[rows], index_scale).to(acc)
         log_student = score - torch.where(row_ok, row_lse, torch.zeros_like(row_lse))[:, None]
-        keep = (p > 0) & mask & row_ok[:, None]
+        keep = (p != 0) & mask & row_ok[:, None]  # NaN passes
         terms = torch.where(keep, p * (torch.log(torch.where(keep, p, torch.ones_like(p))) - log_student),
                             torch.zeros_like(p))
         total = total + terms.sum()
