@@ -88,7 +88,7 @@ Normaliser normaliser(const SparseAttentionProblem& p, std::int64_t h, double m)
   const double sink = p.sinks[h];
   const double top = std::max(m, sink);
   if (std::isinf(top) && top < 0) return {1.0, 0.0};  // sink -inf and m -inf: no sink term
-  if (std::isinf(sink) && sink > 0 && m < sink) return {0.0, 1.0};  // a +inf sink takes all the mass
+  if (sink == INFINITY && m < sink) return {0.0, 1.0};  // a +inf sink takes all the mass
   return {std::exp(m - top), std::exp(sink - top)};
 }
 

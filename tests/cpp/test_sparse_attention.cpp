@@ -20,6 +20,7 @@
 #include "dsa/error.h"
 #include "dsa/sparse_attention.h"
 #include "isa_paths.h"
+#include "nan_placement.h"
 
 namespace dsa {
 namespace {
@@ -492,23 +493,12 @@ TEST_P(SparseAttentionModes, BsndWindowCompressed) {
 // such a head. `some_nan`: the case must put NaN there.
 void expect_same_nans(const Buffer& a, const Buffer& b, double rtol, double atol, const char* what,
                       bool some_nan = true) {
-  ASSERT_EQ(a.numel(), b.numel()) << what;
-  double scale = 0.0, worst = 0.0;
-  std::int64_t nans = 0;
-  for (std::int64_t i = 0; i < b.numel(); ++i)
-    if (std::isfinite(b.at(i))) scale = std::max(scale, std::fabs(static_cast<double>(b.at(i))));
-  for (std::int64_t i = 0; i < a.numel(); ++i) {
-    const float x = a.at(i), y = b.at(i);
-    ASSERT_EQ(std::isnan(x), std::isnan(y)) << what << " at " << i << ": " << x << " vs " << y;
-    if (std::isnan(y)) {
-      ++nans;
-    } else if (std::isinf(y) || std::isinf(x)) {
-      ASSERT_EQ(x, y) << what << " at " << i;
-    } else {
-      worst = std::max(worst, std::fabs(static_cast<double>(x) - y));
-    }
-  }
-  EXPECT_LE(worst, atol + rtol * scale) << what << " (scale " << scale << ")";
+  const auto values = [](const Buffer& x) {
+    std::vector<float> out(x.numel());
+    for (std::int64_t i = 0; i < x.numel(); ++i) out[i] = x.at(i);
+    return out;
+  };
+  const std::int64_t nans = dsa_testing::expect_same_non_finite(values(a), values(b), rtol, atol, what);
   if (some_nan) EXPECT_GT(nans, 0) << what << ": the case puts NaN there";
 }
 
